@@ -1,0 +1,53 @@
+"""What one model forward needs to know about the rows it runs, as tensors.
+
+The flat token batch is laid out single-token rows first (decodes, and one-token prompt
+chunks), then multi-token rows (prefill chunks). The runner builds this; the layers only read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TokenGroup:
+    """Rows of one shape class, padded to a rectangle.
+
+    `token_index[b, i]` is the flat position of row b's i-th new token (0 where padded);
+    `valid[b, i]` marks real tokens; `num_computed[b]` counts tokens already in the caches before
+    this chunk; `kv_index[b, j]` is the KV pool row of row b's j-th context token (0 where padded);
+    `attn_mask[b, i, j]` says whether new token i of row b may attend to context token j.
+    """
+
+    token_index: torch.Tensor  # [B, Lmax] long
+    valid: torch.Tensor  # [B, Lmax] bool
+    lengths: list[int]
+    num_computed: torch.Tensor  # [B] long
+    state_slots: torch.Tensor  # [B] long, KDA slot of each row
+    kv_index: torch.Tensor  # [B, Kmax] long
+    attn_mask: torch.Tensor  # [B, Lmax, Kmax] bool
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def max_len(self) -> int:
+        return int(self.token_index.shape[1])
+
+
+@dataclass
+class ForwardBatch:
+    """One step's flat batch: token ids, where their latents go, which rows need logits."""
+
+    input_ids: torch.Tensor  # [T] long
+    slot_mapping: torch.Tensor  # [T] long: KV pool row each new token's latent is written to
+    logits_indices: torch.Tensor  # [R] long: flat positions whose logits are wanted
+    single: TokenGroup | None  # rows with exactly one new token (flat positions 0..D-1)
+    multi: TokenGroup | None  # rows with several new tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])

@@ -1,0 +1,157 @@
+"""The engine loop: requests in, one scheduled model step at a time, token deltas out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from splitserve.engine.cache_pool import BlockAllocator, SlotAllocator, allocate_caches
+from splitserve.engine.cache_spec import CachePlan
+from splitserve.engine.loader import load_weights
+from splitserve.engine.model.kimi_linear import KimiLinearForCausalLM
+from splitserve.engine.model_config import KimiLinearModelConfig
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.request import Request
+from splitserve.engine.sampler import Sampler
+from splitserve.engine.scheduler import Scheduler, SchedulerConfig
+from splitserve.engine.stopping import check_stop
+from splitserve.engine_config import EngineConfig
+from splitserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RequestUpdate:
+    """What one step did to one request: tokens appended (with logprobs) and whether it ended."""
+
+    request: Request
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]]
+
+    @property
+    def finished(self) -> bool:
+        return self.request.finished
+
+
+class LLMEngine:
+    """Owns one model replica, its caches, scheduler and sampler; not thread-safe (one driver)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        path = Path(config.model).expanduser()
+        self.model_config = KimiLinearModelConfig.from_pretrained(path)
+        mc = self.model_config
+        if mc.hidden_act != "silu":
+            raise ValueError(f"hidden_act {mc.hidden_act!r} is not supported (only 'silu')")
+        self.device = torch.device(config.device)
+        dtype = _TORCH_DTYPES[config.dtype]
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's context ({mc.max_position_embeddings})"
+            )
+        with torch.device(self.device):
+            model = KimiLinearForCausalLM(mc)
+        load_weights(model, path, dtype)
+        self.model = model.eval()
+        self.plan = CachePlan.from_budget(
+            mc,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+            block_size=config.block_size,
+            num_slots=config.max_num_seqs,
+            dtype=dtype,
+            min_blocks=-(-self.max_model_len // config.block_size),
+        )
+        self.caches = allocate_caches(self.plan, mc, self.device)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                block_size=config.block_size,
+                chunk_boundary=config.chunk_boundary,
+            ),
+            BlockAllocator(self.plan.num_blocks),
+            SlotAllocator(self.plan.num_slots, self.caches),
+        )
+        self.sampler = Sampler(mc.vocab_size, mc.eos_token_ids, device=self.device, base_seed=config.seed)
+        self.runner = ModelRunner(self.model, self.caches, self.sampler, config.block_size, self.device)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        logger.info(
+            "engine ready: %d KV blocks x %d tokens, %d state slots, %.1f MiB of cache",
+            self.plan.num_blocks,
+            config.block_size,
+            self.plan.num_slots,
+            self.plan.total_bytes / 2**20,
+        )
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+    ) -> Request:
+        """Validate and queue; raises ValueError naming what is wrong with the request."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        ids = self.validate_prompt(prompt_token_ids)
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        request = Request(request_id, ids, params, max_tokens, next(self._arrivals), prompt=prompt)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> list[int]:
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise ValueError("prompt is empty: send at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids):,} tokens; this model takes at most {self.max_model_len - 1:,} "
+                f"(max_model_len {self.max_model_len:,} includes at least one generated token)"
+            )
+        return ids
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is not None and not request.finished:
+            self.scheduler.finish(request, "abort")
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[RequestUpdate]:
+        """Run one scheduled batch; return the requests that got tokens (finished ones included)."""
+        output = self.scheduler.schedule()
+        if not output.scheduled:
+            return []
+        result = self.runner.execute(output.scheduled)
+        self.scheduler.postprocess(output, result.token_ids)
+        updates = []
+        for s in output.scheduled:
+            request = s.request
+            token = result.token_ids.get(request.request_id)
+            if token is None:
+                continue
+            logprobs = result.logprobs.get(request.request_id)
+            if logprobs is not None:
+                request.output_logprobs.append(logprobs)
+            stop = check_stop(request, self.model_config.eos_token_ids, self.max_model_len)
+            if stop is not None:
+                self.scheduler.finish(request, *stop)
+                self.requests.pop(request.request_id, None)
+            updates.append(RequestUpdate(request, [token], [logprobs] if logprobs is not None else []))
+        return updates

@@ -1,0 +1,135 @@
+"""Kimi Delta Attention layer: projections, short causal conv, forget gate, delta rule, gated norm.
+
+State per request slot: the last `K-1` pre-conv q/k/v inputs (`conv_state`, [slots, 3*H*D, K-1])
+and the recurrent matrix (`recurrent_state`, [slots, H, Dk, Dv], fp32). A slot must be zeroed
+before a request's first chunk; every call reads and writes the slots of the rows it runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitserve.engine.forward_batch import ForwardBatch, TokenGroup
+from splitserve.engine.model.layers import GatedRMSNorm
+from splitserve.engine.model_config import KimiLinearModelConfig
+from splitserve.engine.ops.kda import kda_chunked, kda_recurrent_step, l2norm
+
+
+class KimiDeltaAttention(nn.Module):
+    """One KDA layer; parameters named as in Moonshot/transformers checkpoints, fused at load."""
+
+    def __init__(self, config: KimiLinearModelConfig) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.linear_num_heads
+        self.head_dim = config.linear_head_dim
+        self.kernel_size = config.linear_conv_kernel_dim
+        dim = self.num_heads * self.head_dim
+        self.qkv_dim = dim
+        self.q_proj = nn.Linear(hidden, dim, bias=False)
+        self.k_proj = nn.Linear(hidden, dim, bias=False)
+        self.v_proj = nn.Linear(hidden, dim, bias=False)
+        self.q_conv1d = nn.Conv1d(dim, dim, self.kernel_size, groups=dim, bias=False)
+        self.k_conv1d = nn.Conv1d(dim, dim, self.kernel_size, groups=dim, bias=False)
+        self.v_conv1d = nn.Conv1d(dim, dim, self.kernel_size, groups=dim, bias=False)
+        self.f_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
+        self.f_b_proj = nn.Linear(self.head_dim, dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(dim))
+        self.A_log = nn.Parameter(torch.zeros(1, 1, self.num_heads, 1))
+        self.b_proj = nn.Linear(hidden, self.num_heads, bias=False)
+        self.g_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
+        self.g_b_proj = nn.Linear(self.head_dim, dim, bias=False)
+        self.o_norm = GatedRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.o_proj = nn.Linear(dim, hidden, bias=False)
+        self.in_proj = torch.empty(0)  # [3*dim + head_dim + H + head_dim, hidden] after finalize
+        self.conv_weight = torch.empty(0)  # [3*dim, K]
+        self.decay_rate = torch.empty(0)  # [H, 1] fp32
+
+    def finalize(self) -> None:
+        """Fuse the six input projections into one matmul and the three convs into one."""
+        self.in_proj = torch.cat(
+            [
+                w.weight
+                for w in (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, self.g_a_proj)
+            ]
+        ).contiguous()
+        self.conv_weight = torch.cat(
+            [c.weight.squeeze(1) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
+        ).contiguous()
+        self.decay_rate = self.A_log.float().exp().view(self.num_heads, 1)
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor, recurrent_state: torch.Tensor
+    ) -> torch.Tensor:
+        dim, hd, nh = self.qkv_dim, self.head_dim, self.num_heads
+        proj = F.linear(x, self.in_proj)
+        mixed, f_a, b_logit, g_a = proj.split([3 * dim, hd, nh, hd], dim=-1)
+        conv_out = torch.empty_like(mixed)
+        if batch.single is not None:
+            conv_out[: batch.single.num_rows] = self._conv_step(
+                mixed[: batch.single.num_rows], batch.single, conv_state
+            )
+        if batch.multi is not None:
+            self._conv_chunk(mixed, batch.multi, conv_state, conv_out)
+        q, k, v = (t.float().view(-1, nh, hd) for t in conv_out.split(dim, dim=-1))
+        q = l2norm(q) * (hd**-0.5)
+        k = l2norm(k)
+        g = self.f_b_proj(f_a).float().view(-1, nh, hd) + self.dt_bias.float().view(nh, hd)
+        g = -self.decay_rate * torch.where(g > 20.0, g, torch.log1p(torch.exp(g)))
+        beta = torch.sigmoid(b_logit).float()
+        core = torch.empty_like(v)
+        if batch.single is not None:
+            n = batch.single.num_rows
+            slots = batch.single.state_slots
+            out, new_state = kda_recurrent_step(q[:n], k[:n], v[:n], g[:n], beta[:n], recurrent_state[slots])
+            recurrent_state[slots] = new_state
+            core[:n] = out
+        if batch.multi is not None:
+            self._delta_chunk(q, k, v, g, beta, batch.multi, recurrent_state, core)
+        gate = self.g_b_proj(g_a).view(-1, nh, hd)
+        out = self.o_norm(core.to(x.dtype), gate).reshape(-1, dim)
+        return self.o_proj(out)
+
+    def _conv_step(self, x: torch.Tensor, group: TokenGroup, conv_state: torch.Tensor) -> torch.Tensor:
+        slots = group.state_slots
+        window = torch.cat([conv_state[slots], x.unsqueeze(-1)], dim=-1)  # [N, C, K]
+        conv_state[slots] = window[:, :, 1:]
+        return F.silu((window * self.conv_weight).sum(-1))
+
+    def _conv_chunk(
+        self, mixed: torch.Tensor, group: TokenGroup, conv_state: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        keep = self.kernel_size - 1
+        slots = group.state_slots
+        padded = mixed[group.token_index] * group.valid.unsqueeze(-1)  # [B, L, C]
+        seq = torch.cat([conv_state[slots], padded.transpose(1, 2)], dim=-1)  # [B, C, K-1+L]
+        conv = F.conv1d(seq, self.conv_weight.unsqueeze(1), groups=seq.shape[1])  # [B, C, L]
+        out[group.token_index[group.valid]] = F.silu(conv.transpose(1, 2)[group.valid])
+        lengths = torch.tensor(group.lengths, device=seq.device)
+        cols = lengths.view(-1, 1) + torch.arange(keep, device=seq.device)  # last K-1 real inputs
+        conv_state[slots] = seq.gather(2, cols.unsqueeze(1).expand(-1, seq.shape[1], -1))
+
+    def _delta_chunk(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        group: TokenGroup,
+        recurrent_state: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        idx, valid = group.token_index, group.valid
+        mask = valid.unsqueeze(-1).unsqueeze(-1)
+
+        def padded(t: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [B, H, L, D], zeros past each end
+            return (t[idx] * mask).transpose(1, 2)
+
+        b = (beta[idx] * valid.unsqueeze(-1)).transpose(1, 2)
+        slots = group.state_slots
+        o, state = kda_chunked(padded(q), padded(k), padded(v), padded(g), b, recurrent_state[slots])
+        recurrent_state[slots] = state
+        out[idx[valid]] = o.transpose(1, 2)[valid]

@@ -1,0 +1,91 @@
+"""The Kimi-Linear decoder stack: embeddings, KDA/MLA layers with dense or MoE MLPs, norm, LM head."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitserve.engine.forward_batch import ForwardBatch
+from splitserve.engine.model.kda import KimiDeltaAttention
+from splitserve.engine.model.layers import GatedMLP, RMSNorm
+from splitserve.engine.model.mla import MultiHeadLatentAttention
+from splitserve.engine.model.moe import SparseMoE
+from splitserve.engine.model_config import FULL_ATTENTION, KimiLinearModelConfig
+
+
+@dataclass
+class LayerCaches:
+    """The cache tensors one forward reads and writes, indexed by model layer id."""
+
+    mla_kv: dict[int, torch.Tensor]  # layer -> [num_blocks * block_size, rank + rope]
+    kda_conv: dict[int, torch.Tensor]  # layer -> [num_slots, 3 * H * D, K - 1]
+    kda_recurrent: dict[int, torch.Tensor]  # layer -> [num_slots, H, Dk, Dv] fp32
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: token mixer (KDA or MLA) then MLP (dense or MoE)."""
+
+    def __init__(self, config: KimiLinearModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.is_mla = config.layer_types[layer_id] == FULL_ATTENTION
+        self.self_attn: nn.Module = (
+            MultiHeadLatentAttention(config) if self.is_mla else KimiDeltaAttention(config)
+        )
+        self.block_sparse_moe: nn.Module = (
+            SparseMoE(config)
+            if config.mlp_layer_types[layer_id] == "sparse"
+            else GatedMLP(config.hidden_size, config.intermediate_size)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.is_mla:
+            h = self.self_attn(h, batch, caches.mla_kv[self.layer_id])
+        else:
+            lid = self.layer_id
+            h = self.self_attn(h, batch, caches.kda_conv[lid], caches.kda_recurrent[lid])
+        x = x + h
+        return x + self.block_sparse_moe(self.post_attention_layernorm(x))
+
+
+class KimiLinearModel(nn.Module):
+    """The backbone; `model.` prefixed names in a checkpoint land here."""
+
+    def __init__(self, config: KimiLinearModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class KimiLinearForCausalLM(nn.Module):
+    """The whole network. `forward` returns the final hidden states of `batch.logits_indices`."""
+
+    def __init__(self, config: KimiLinearModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = KimiLinearModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def finalize(self) -> None:
+        """Build fused and absorbed weights once the checkpoint is loaded."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        for module in self.modules():
+            if module is not self and hasattr(module, "finalize"):
+                module.finalize()
+
+    def forward(self, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
+        x = self.model.embed_tokens(batch.input_ids)
+        for layer in self.model.layers:
+            x = layer(x, batch, caches)
+        return self.model.norm(x[batch.logits_indices])
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head.weight).float()

@@ -1,0 +1,84 @@
+"""Multi-head Latent Attention (no RoPE in Kimi Linear; the "rope" key part is shared, unrotated).
+
+The KV pool of a layer holds, per token, the normalised latent `c` (`kv_lora_rank`) and the
+shared key part `k_r` (`qk_rope_head_dim`). Attention runs in the latent space (weight
+absorption): `score = (W_uk^T q_nope) . c + q_r . k_r`, `out = W_uv (sum p c)`, one KV "head"
+shared by all query heads, so the pool never holds per-head keys or values.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitserve.engine.forward_batch import ForwardBatch, TokenGroup
+from splitserve.engine.model.layers import RMSNorm
+from splitserve.engine.model_config import KimiLinearModelConfig
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """One MLA layer; parameters named as in the checkpoint; absorbed weights built at load."""
+
+    def __init__(self, config: KimiLinearModelConfig) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.nope_dim = config.qk_nope_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.v_dim = config.v_head_dim
+        self.rank = config.kv_lora_rank
+        self.q_lora_rank = config.q_lora_rank
+        qk_dim = self.nope_dim + self.rope_dim
+        self.scale = qk_dim**-0.5
+        bias = config.attention_bias
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, self.num_heads * qk_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.rank, 1e-6)
+        self.kv_b_proj = nn.Linear(self.rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=bias)
+        self.w_uk = torch.empty(0)  # [H, nope, rank]
+        self.w_uv = torch.empty(0)  # [H, v, rank]
+
+    def finalize(self) -> None:
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.rank)
+        self.w_uk = w[:, : self.nope_dim].contiguous()
+        self.w_uv = w[:, self.nope_dim :].contiguous()
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_pool: torch.Tensor) -> torch.Tensor:
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
+        kv_pool[batch.slot_mapping] = torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)
+        # absorb W_uk into the query: [T, H, nope] x [H, nope, rank] -> [T, H, rank]
+        q_latent = torch.einsum("thn,hnr->thr", q[..., : self.nope_dim], self.w_uk)
+        q_full = torch.cat([q_latent, q[..., self.nope_dim :]], dim=-1)  # [T, H, rank + rope]
+        out_latent = torch.empty(x.shape[0], self.num_heads, self.rank, dtype=x.dtype, device=x.device)
+        for group in (batch.single, batch.multi):
+            if group is not None:
+                self._attend(q_full, group, kv_pool, out_latent)
+        out = torch.einsum("thr,hvr->thv", out_latent, self.w_uv)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.v_dim))
+
+    def _attend(
+        self, q_full: torch.Tensor, group: TokenGroup, kv_pool: torch.Tensor, out_latent: torch.Tensor
+    ) -> None:
+        rows, length, heads = group.num_rows, group.max_len, self.num_heads
+        keys = kv_pool[group.kv_index].unsqueeze(1)  # [B, 1, K, rank + rope]: one shared KV head
+        values = keys[..., : self.rank]
+        # fold heads into the query axis (row = h * L + i) so the single KV head needs no copy
+        q = q_full[group.token_index].transpose(1, 2).reshape(rows, 1, heads * length, -1)
+        mask = group.attn_mask.unsqueeze(1)
+        if length > 1:
+            mask = mask.repeat(1, 1, heads, 1)
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+        o = o.view(rows, heads, length, self.rank).transpose(1, 2)  # [B, L, H, rank]
+        out_latent[group.token_index[group.valid]] = o[group.valid]

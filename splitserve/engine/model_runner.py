@@ -1,0 +1,114 @@
+"""Owns the model, its cache tensors and the sampler; turns a scheduled step into sampled tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.forward_batch import ForwardBatch, TokenGroup
+from splitserve.engine.model.kimi_linear import KimiLinearForCausalLM, LayerCaches
+from splitserve.engine.sampler import Sampler, SamplingRow
+from splitserve.engine.scheduler import ScheduledRequest
+
+
+@dataclass
+class StepResult:
+    """Per scheduled request that sampled: the new token and (if asked) its logprobs."""
+
+    token_ids: dict[str, int]
+    logprobs: dict[str, dict[int, float]]
+
+
+class ModelRunner:
+    """Builds the flat batch (single-token rows first), runs the model, samples."""
+
+    def __init__(
+        self,
+        model: KimiLinearForCausalLM,
+        caches: LayerCaches,
+        sampler: Sampler,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.caches = caches
+        self.sampler = sampler
+        self.block_size = block_size
+        self.device = device
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest]) -> StepResult:
+        singles = [s for s in scheduled if s.num_new_tokens == 1]
+        multis = [s for s in scheduled if s.num_new_tokens > 1]
+        ordered = singles + multis
+        batch = self.build_batch(singles, multis)
+        hidden = self.model(batch, self.caches)
+        sampling = [s for s in ordered if s.samples]
+        if not sampling:
+            return StepResult({}, {})
+        logits = self.model.compute_logits(hidden)
+        rows = [
+            SamplingRow(s.request.params, s.request.prompt_token_ids, s.request.output_token_ids)
+            for s in sampling
+        ]
+        out = self.sampler(logits, rows)
+        ids = {s.request.request_id: t for s, t in zip(sampling, out.token_ids)}
+        lps: dict[str, dict[int, float]] = {}
+        if out.logprobs is not None:
+            for s, lp in zip(sampling, out.logprobs):
+                if lp is not None:
+                    lps[s.request.request_id] = lp
+        return StepResult(ids, lps)
+
+    def build_batch(self, singles: list[ScheduledRequest], multis: list[ScheduledRequest]) -> ForwardBatch:
+        input_ids: list[int] = []
+        slot_mapping: list[int] = []
+        logits_indices: list[int] = []
+        bs = self.block_size
+        for s in singles + multis:
+            req, start = s.request, s.request.num_computed_tokens
+            for pos in range(start, start + s.num_new_tokens):
+                input_ids.append(req.token_at(pos))
+                slot_mapping.append(req.block_table[pos // bs] * bs + pos % bs)
+            if s.samples:
+                logits_indices.append(len(input_ids) - 1)
+        dev = self.device
+        return ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
+            single=self._group(singles, 0) if singles else None,
+            multi=self._group(multis, len(singles)) if multis else None,
+        )
+
+    def _group(self, rows: list[ScheduledRequest], offset: int) -> TokenGroup:
+        dev, bs = self.device, self.block_size
+        lengths = [s.num_new_tokens for s in rows]
+        computed = torch.tensor([s.request.num_computed_tokens for s in rows], dtype=torch.long)
+        max_len = max(lengths)
+        starts = torch.tensor([0, *lengths[:-1]], dtype=torch.long).cumsum(0) + offset
+        steps = torch.arange(max_len, dtype=torch.long)
+        len_t = torch.tensor(lengths, dtype=torch.long)
+        valid = steps.unsqueeze(0) < len_t.unsqueeze(1)
+        token_index = torch.where(valid, starts.unsqueeze(1) + steps, 0)
+        ctx_lens = computed + len_t
+        max_ctx = int(ctx_lens.max())
+        max_blocks = -(-max_ctx // bs)
+        tables = torch.zeros(len(rows), max_blocks, dtype=torch.long)
+        for i, s in enumerate(rows):
+            table = s.request.block_table[:max_blocks]
+            tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+        positions = torch.arange(max_ctx, dtype=torch.long)
+        kv_index = tables[:, positions // bs] * bs + positions % bs
+        query_pos = computed.unsqueeze(1) + steps  # absolute position of each new token
+        attn_mask = positions.view(1, 1, -1) <= query_pos.unsqueeze(-1)
+        return TokenGroup(
+            token_index=token_index.to(dev),
+            valid=valid.to(dev),
+            lengths=lengths,
+            num_computed=computed.to(dev),
+            state_slots=torch.tensor([s.request.state_slot for s in rows], dtype=torch.long, device=dev),
+            kv_index=kv_index.to(dev),
+            attn_mask=attn_mask.to(dev),
+        )

@@ -1,0 +1,60 @@
+"""One request inside the engine: its tokens, progress, and the cache resources it holds."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from splitserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """Owns nothing but ids: `block_table` (KV blocks, in order) and `state_slot` (KDA slot).
+
+    `num_computed_tokens` counts tokens whose KV and state are in the caches; the request needs
+    a sample when every known token is computed. After a recompute preemption the generated
+    tokens are replayed as prompt: `all_token_ids` is what gets (re)computed.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    arrival: int
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    state_slot: int | None = None
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

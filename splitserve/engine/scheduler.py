@@ -1,0 +1,150 @@
+"""Continuous batching: decides which requests run this step and how many tokens each computes.
+
+One token budget (`max_num_batched_tokens`) covers decodes and prefill chunks alike, running
+requests first (oldest first), then waiting ones in arrival order. A request that cannot get
+the KV blocks it needs preempts the newest running request (recompute: its caches are freed
+and its tokens replayed later). Chunks never cross a multiple of `chunk_boundary` tokens, so a
+state snapshot can be taken at every boundary. The scheduler decides; it never touches tensors.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from splitserve.engine.cache_pool import BlockAllocator, SlotAllocator
+from splitserve.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    chunk_boundary: int | None = None
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the last known token, so a new token gets sampled."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    preempted: list[Request]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    """Owns the waiting queue, the running list and every request's blocks and slot."""
+
+    def __init__(self, config: SchedulerConfig, blocks: BlockAllocator, slots: SlotAllocator) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.slots = slots
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = self._chunk_len(request, budget)
+            while not self._reserve_blocks(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is RequestStatus.RUNNING:
+                scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = self._chunk_len(request, budget)
+            if self.slots.num_free_slots == 0 or not self._reserve_blocks(request, num_new):
+                break
+            self.waiting.popleft()
+            request.state_slot = self.slots.allocate()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        return SchedulerOutput(scheduled, preempted)
+
+    def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        """Mark finished and free its blocks and slot (works for waiting and running requests)."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+
+    def _chunk_len(self, request: Request, budget: int) -> int:
+        start = request.num_computed_tokens
+        num_new = min(request.num_tokens - start, budget)
+        boundary = self.config.chunk_boundary
+        if boundary:
+            next_boundary = (start // boundary + 1) * boundary
+            num_new = min(num_new, next_boundary - start)
+        return num_new
+
+    def _reserve_blocks(self, request: Request, num_new: int) -> bool:
+        bs = self.config.block_size
+        needed = -(-(request.num_computed_tokens + num_new) // bs) - len(request.block_table)
+        if needed <= 0:
+            return True
+        got = self.blocks.allocate(needed)
+        if got is None:
+            return False
+        request.block_table.extend(got)
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _free(self, request: Request) -> None:
+        self.blocks.free(request.block_table)
+        request.block_table = []
+        if request.state_slot is not None:
+            self.slots.free(request.state_slot)
+            request.state_slot = None
+
+    def postprocess(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
+        """Advance every scheduled request past its chunk and append its sampled token."""
+        for s in output.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+            token = sampled.get(s.request.request_id)
+            if token is not None:
+                s.request.output_token_ids.append(token)
