@@ -17,7 +17,7 @@ from splitserve.engine.model_config import KimiLinearModelConfig
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler
-from splitserve.engine.scheduler import Scheduler, SchedulerConfig
+from splitserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from splitserve.engine.stopping import check_stop
 from splitserve.engine_config import EngineConfig
 from splitserve.sampling_params import SamplingParams
@@ -123,6 +123,27 @@ class LLMEngine:
                 f"(max_model_len {self.max_model_len:,} includes at least one generated token)"
             )
         return ids
+
+    def prompt_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:
+        """Logits [L, vocab] (fp32) at every prompt position, computed chunk by chunk like a prefill."""
+        request = Request("__score__", self.validate_prompt(prompt_token_ids), SamplingParams(), 1, -1)
+        scheduler = self.scheduler
+        request.state_slot = scheduler.slots.allocate()
+        if request.state_slot is None:
+            raise RuntimeError("no free state slot to score with; wait for running requests to finish")
+        try:
+            pieces = []
+            while request.num_computed_tokens < request.num_tokens:
+                num_new = min(
+                    request.num_tokens - request.num_computed_tokens, self.config.max_num_batched_tokens
+                )
+                if not scheduler.reserve_blocks(request, num_new):
+                    raise RuntimeError("not enough free KV blocks to score this prompt now")
+                pieces.append(self.runner.chunk_logits(ScheduledRequest(request, num_new)))
+                request.num_computed_tokens += num_new
+            return torch.cat(pieces)
+        finally:
+            scheduler.release(request)
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)

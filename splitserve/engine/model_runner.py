@@ -61,6 +61,14 @@ class ModelRunner:
                     lps[s.request.request_id] = lp
         return StepResult(ids, lps)
 
+    @torch.inference_mode()
+    def chunk_logits(self, chunk: ScheduledRequest) -> torch.Tensor:
+        """Logits of every token of one chunk (scoring / prompt logprobs), caches updated as usual."""
+        single, multi = ([chunk], []) if chunk.num_new_tokens == 1 else ([], [chunk])
+        batch = self.build_batch(single, multi)
+        batch.logits_indices = torch.arange(batch.num_tokens, device=self.device)
+        return self.model.compute_logits(self.model(batch, self.caches))
+
     def build_batch(self, singles: list[ScheduledRequest], multis: list[ScheduledRequest]) -> ForwardBatch:
         input_ids: list[int] = []
         slot_mapping: list[int] = []

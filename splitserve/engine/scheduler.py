@@ -55,6 +55,7 @@ class Scheduler:
         self.slots = slots
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0  # since start, for metrics and tests
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -73,7 +74,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = self._chunk_len(request, budget)
-            while not self._reserve_blocks(request, num_new):
+            while not self.reserve_blocks(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
@@ -85,7 +86,7 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             num_new = self._chunk_len(request, budget)
-            if self.slots.num_free_slots == 0 or not self._reserve_blocks(request, num_new):
+            if self.slots.num_free_slots == 0 or not self.reserve_blocks(request, num_new):
                 break
             self.waiting.popleft()
             request.state_slot = self.slots.allocate()
@@ -101,7 +102,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self._free(request)
+        self.release(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
@@ -115,7 +116,7 @@ class Scheduler:
             num_new = min(num_new, next_boundary - start)
         return num_new
 
-    def _reserve_blocks(self, request: Request, num_new: int) -> bool:
+    def reserve_blocks(self, request: Request, num_new: int) -> bool:
         bs = self.config.block_size
         needed = -(-(request.num_computed_tokens + num_new) // bs) - len(request.block_table)
         if needed <= 0:
@@ -128,13 +129,14 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self._free(request)
+        self.release(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _free(self, request: Request) -> None:
+    def release(self, request: Request) -> None:
         self.blocks.free(request.block_table)
         request.block_table = []
         if request.state_slot is not None:

@@ -1,0 +1,23 @@
+"""`import splitserve` (config, params, tokenizer, detokenizer) never loads torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_core_package_imports_without_torch():
+    code = (
+        "import sys\n"
+        "import splitserve, splitserve.sampling_params, splitserve.engine_config, splitserve.tokenizer\n"
+        "import splitserve.detokenizer, splitserve.outputs, splitserve.cli, splitserve.engine.model_config\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_llm_attribute_loads_the_engine_lazily():
+    code = "import sys, splitserve\nassert 'torch' not in sys.modules\nsplitserve.LLM\nassert 'torch' in sys.modules\n"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
