@@ -27,8 +27,10 @@ def hf_greedy(
     traces = []
     with torch.inference_mode():
         for prompt in prompts:
+            ids = torch.tensor([list(prompt)])
             out = model.generate(
-                torch.tensor([list(prompt)]),
+                ids,
+                attention_mask=torch.ones_like(ids),  # a prompt may contain the pad id; nothing is padding
                 do_sample=False,
                 max_new_tokens=max_new_tokens,
                 min_new_tokens=max_new_tokens,

@@ -103,7 +103,7 @@ def test_greedy_matches_transformers_under_preemption(checkpoint):
         block_size=block_size,
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=512,
+        max_num_batched_tokens=64,
     )
     assert llm.engine.plan.num_blocks == num_blocks
     assert llm.engine.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
