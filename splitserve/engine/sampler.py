@@ -1,0 +1,379 @@
+"""The batched sampler: once per engine step, every row's logits become its next token.
+
+The order is vLLM v1's: raw logprobs; min_tokens; repetition, frequency and presence penalties;
+argmax for greedy rows; and for the others temperature, min_p, top_k, top_p and an exponential
+race (`argmax(p / q)`, `q ~ Exp(1)`).
+
+The cuts run on the top-K candidates of each row rather than on a full sort of the vocabulary:
+K starts at the largest `top_k + 1` in the batch (64 for rows cut by top_p or min_p alone) and
+grows 16-fold for the rows whose kept set reached the last candidate, up to the vocabulary. Every
+cut is decided by value (tokens with equal logits are kept or cut together), so a row's kept set
+does not depend on K, on the order `topk` gives ties, or on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import array
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+_FIRST_CANDIDATES = 64  # candidates tried first for a row cut only by top_p or min_p
+_CANDIDATE_GROWTH = 16  # how much K grows for the rows whose kept set did not fit
+_TINY = torch.finfo(torch.float32).tiny
+_GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature is greedy
+
+
+@dataclass
+class SamplingRow:
+    """One request's view for this step; the token drawn is output token `len(output_token_ids)`."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+
+
+@dataclass
+class SamplerOutput:
+    """One token per row; `logprobs[i]` is None for a row that did not ask (the list is None if none did)."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None] | None
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def draw_seed(seed: int, output_index: int) -> int:
+    """Generator seed for drawing output token `output_index` of a request seeded with `seed`."""
+    return _splitmix64(_splitmix64(seed) ^ output_index)
+
+
+def _flat_positions(token_ids: Sequence[Sequence[int]], vocab_size: int) -> torch.Tensor:
+    """CPU int64 positions `row * vocab_size + id` in a flattened [rows, vocab] tensor, one per
+    token (repeats kept); ids outside the vocabulary are dropped."""
+    lengths = [len(ids) for ids in token_ids]
+    if sum(lengths) == 0:
+        return torch.empty(0, dtype=torch.int64)
+    ids = torch.frombuffer(array.array("q", itertools.chain.from_iterable(token_ids)), dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(len(token_ids)), torch.tensor(lengths))
+    return (rows * vocab_size + ids)[(ids >= 0) & (ids < vocab_size)]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    repetition_penalties: Sequence[float],
+    frequency_penalties: Sequence[float],
+    presence_penalties: Sequence[float],
+) -> torch.Tensor:
+    """Penalize contiguous fp32 `logits` [rows, vocab] in place as vLLM does, and return them.
+
+    Repetition (the CTRL rule, over prompt and output tokens): a seen token's positive logit is
+    divided by the penalty, a negative one multiplied. Then, over output tokens only (OpenAI's
+    definition): `logits -= frequency * count + presence * (count > 0)`. Token ids outside the
+    vocabulary are ignored. Only the seen positions are touched, never the whole vocabulary.
+    """
+    if not logits.is_contiguous():
+        raise ValueError("apply_penalties needs contiguous logits; pass logits.contiguous()")
+    vocab_size, device, flat = logits.shape[1], logits.device, logits.view(-1)
+    output_positions = _flat_positions(output_token_ids, vocab_size)
+    if any(p != 1.0 for p in repetition_penalties):
+        prompt_positions = _flat_positions(prompt_token_ids, vocab_size)
+        # Repeats are harmless: every copy of a position writes the same value.
+        seen = torch.cat([prompt_positions, output_positions])
+        penalty = torch.tensor(repetition_penalties, dtype=torch.float32)[seen // vocab_size].to(device)
+        seen = seen.to(device)
+        values = flat[seen]
+        flat[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    if any(f != 0.0 for f in frequency_penalties) or any(p != 0.0 for p in presence_penalties):
+        positions, counts = torch.unique(output_positions, return_counts=True)
+        rows = positions // vocab_size
+        frequency = torch.tensor(frequency_penalties, dtype=torch.float32)[rows]
+        presence = torch.tensor(presence_penalties, dtype=torch.float32)[rows]
+        positions = positions.to(device)
+        flat[positions] -= (frequency * counts + presence).to(device)
+    return logits
+
+
+def _mass_strictly_above(vals: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """For sorted-descending candidates, the weight of candidates with a strictly larger value."""
+    before = weight.cumsum(dim=1) - weight
+    # Tied candidates take the mass before the first of them, so a tie is kept or cut as a whole.
+    positions = torch.arange(vals.shape[1], device=vals.device).expand_as(vals)
+    starts_tie = torch.ones_like(vals, dtype=torch.bool)
+    starts_tie[:, 1:] = vals[:, 1:] != vals[:, :-1]
+    tie_start = torch.where(starts_tie, positions, 0).cummax(dim=1).values
+    return before.gather(1, tie_start)
+
+
+def kept_candidates(
+    vals: torch.Tensor, logits: torch.Tensor, params: Sequence[SamplingParams]
+) -> torch.Tensor:
+    """Which of the top-K candidates survive min_p, then top_k, then top_p (over the renormalized
+    survivors), as a [rows, K] mask. `vals` are the candidates' logits divided by each row's
+    temperature, sorted descending; `logits` the rows' whole unscaled logits.
+
+    A token is kept by top_p when the probability of the tokens strictly more likely than it is
+    below `top_p`; by min_p when its probability is at least `min_p` times the largest.
+    """
+    device, (num_rows, num_candidates), vocab_size = vals.device, vals.shape, logits.shape[1]
+    top = vals[:, :1]
+    log_min_p = torch.tensor([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], device=device)
+    weight = (vals - top).exp()
+    keep = ((vals - top) >= log_min_p[:, None]) & (weight > 0)
+    top_k = [min(p.top_k, vocab_size) for p in params]
+    kth = torch.full((num_rows, 1), -math.inf, device=device)
+    if any(top_k):
+        kth_index = torch.tensor([max(k, 1) - 1 for k in top_k], device=device)[:, None]
+        cut_by_k = torch.tensor([k > 0 for k in top_k], device=device)[:, None]
+        kth = torch.where(cut_by_k, vals.gather(1, kth_index), -math.inf)
+        keep &= vals >= kth
+    top_p = [p.top_p for p in params]
+    if any(p < 1.0 for p in top_p):
+        weight = weight * keep
+        total = weight.sum(dim=1)
+        top_p_t = torch.tensor(top_p, device=device)
+        spills = keep[:, -1] & (top_p_t < 1.0) & (num_candidates < vocab_size)
+        if bool(spills.any()):  # survivors past the candidates: renormalize over the whole row
+            temperature = torch.tensor([p.temperature for p in params], device=device)[spills, None]
+            rows = logits[spills] / temperature
+            rel = rows - top[spills]
+            survives = (rel >= log_min_p[spills, None]) & (rows >= kth[spills])
+            total[spills] = (rel.exp() * survives).sum(dim=1)
+        inside = _mass_strictly_above(vals, weight) < (top_p_t * total)[:, None]
+        keep &= inside | (top_p_t[:, None] >= 1.0)
+    return keep
+
+
+class Sampler:
+    """Picks every row's next token for one engine step; owns the generator of unseeded rows.
+
+    Promises: a seeded row's token depends only on its logits, its parameters, its seed and the
+    index of the token it draws; never on the other rows, their order, earlier calls, `base_seed`
+    or the process. Its noise comes from a CPU generator seeded with `draw_seed(seed, index)`, so
+    the draws are the same on every device. Unseeded rows share one generator seeded with
+    `base_seed`, drawn in one batch. `vocab_size` is the width of the logits (the model's, which
+    may exceed the tokenizer's). Stopping is the engine's business; this only masks stop tokens
+    before `min_tokens`.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        device: torch.device | str = "cpu",
+        base_seed: int = 0,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+        self.device = torch.device(device)
+        self._generator = torch.Generator(device=self.device)
+        self._generator.manual_seed(base_seed)
+        self._seeded_generator = torch.Generator()  # re-seeded for every seeded draw
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        self._check(logits, rows)
+        params = [row.params for row in rows]
+        wants_logprobs = any(p.logprobs is not None for p in params)
+        stop_masks = self._stop_masks(rows)
+        penalized = any(_has_penalty(p) for p in params)
+        if all(_is_greedy(p) for p in params) and not (wants_logprobs or stop_masks[0] or penalized):
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), None)
+        if stop_masks[0] or penalized:  # changed in place: our own contiguous fp32 copy
+            x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+            if stop_masks[0]:
+                x[stop_masks] = -math.inf
+            if penalized:
+                self._penalize(x, rows)
+        else:
+            x = logits.float()
+        token_ids = torch.empty(len(rows), dtype=torch.int64, device=x.device)
+        greedy = [i for i, p in enumerate(params) if _is_greedy(p)]
+        random = [i for i, p in enumerate(params) if not _is_greedy(p)]
+        if greedy:
+            _put(token_ids, greedy, _take(x, greedy).argmax(dim=-1))
+        if random:
+            _put(token_ids, random, self._sample_random(_take(x, random), [rows[i] for i in random]))
+        tokens = token_ids.tolist()
+        return SamplerOutput(tokens, self._logprobs(logits, tokens, params) if wants_logprobs else None)
+
+    def _check(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] != self.vocab_size:
+            raise ValueError(
+                f"logits have shape {tuple(logits.shape)}; expected ({len(rows)}, {self.vocab_size}): "
+                "one row per SamplingRow, as wide as the vocab_size the Sampler was built with"
+            )
+        if logits.device.type != self.device.type:
+            raise ValueError(f"logits are on {logits.device} but this Sampler was built for {self.device}")
+
+    def _stop_masks(self, rows: Sequence[SamplingRow]) -> tuple[list[int], list[int]]:
+        """(row, token) pairs to mask: EOS and stop ids of rows short of `min_tokens` (ignore_eos
+        or not: it only changes stopping, as in vLLM)."""
+        mask_rows: list[int] = []
+        mask_ids: list[int] = []
+        for i, row in enumerate(rows):
+            if len(row.output_token_ids) < row.params.min_tokens:
+                ids = {t for t in (*self.eos_token_ids, *row.params.stop_token_ids) if t < self.vocab_size}
+                mask_rows.extend([i] * len(ids))
+                mask_ids.extend(sorted(ids))
+        return mask_rows, mask_ids
+
+    def _penalize(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        """Penalties touch only the seen tokens of penalized rows; the others pass no tokens."""
+        params = [row.params for row in rows]
+        apply_penalties(
+            x,
+            [row.prompt_token_ids if p.repetition_penalty != 1.0 else () for row, p in zip(rows, params)],
+            [row.output_token_ids if _has_penalty(p) else () for row, p in zip(rows, params)],
+            [p.repetition_penalty for p in params],
+            [p.frequency_penalty for p in params],
+            [p.presence_penalty for p in params],
+        )
+
+    def _sample_random(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        params = [row.params for row in rows]
+        seeds = [
+            None if p.seed is None else draw_seed(p.seed, len(r.output_token_ids))
+            for p, r in zip(params, rows)
+        ]
+        token_ids = torch.empty(len(rows), dtype=torch.int64, device=x.device)
+        cut = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0]
+        whole = [i for i, p in enumerate(params) if not (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)]
+        if whole:  # the race runs over the whole vocabulary, noise indexed by token id
+            logits = _take(x, whole)
+            temperature = torch.tensor([params[i].temperature for i in whole], device=x.device)[:, None]
+            weight = (logits - logits.amax(dim=1, keepdim=True)).div_(temperature).exp_()
+            whole_seeds = [seeds[i] for i in whole]
+            num_seeded = sum(s is not None for s in whole_seeds)
+            q = self._exponentials(whole_seeds, [self.vocab_size] * num_seeded, None, weight.shape[1])
+            _put(token_ids, whole, weight.div_(q).argmax(dim=1))
+        if cut:
+            _put(
+                token_ids,
+                cut,
+                self._sample_cut(_take(x, cut), [params[i] for i in cut], [seeds[i] for i in cut]),
+            )
+        return token_ids
+
+    def _sample_cut(
+        self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None]
+    ) -> torch.Tensor:
+        """Race over each row's kept candidates, growing K for rows whose kept set did not fit.
+        Temperature (positive) keeps the order, so it scales the candidates, not the vocabulary."""
+        vocab_size = logits.shape[1]
+        temperature = torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
+        token_ids = torch.empty(len(params), dtype=torch.int64, device=logits.device)
+        pending = list(range(len(params)))
+        num_candidates = min(
+            vocab_size, max(p.top_k + 1 if p.top_k > 0 else _FIRST_CANDIDATES for p in params)
+        )
+        while pending:
+            sub = _take(logits, pending) if len(pending) < len(params) else logits
+            vals, ids = sub.topk(num_candidates, dim=1)
+            vals /= _take(temperature, pending)
+            keep = kept_candidates(vals, sub, [params[i] for i in pending])
+            fits = [True] * len(pending) if num_candidates == vocab_size else (~keep[:, -1]).tolist()
+            done = [j for j, ok in enumerate(fits) if ok]
+            if done:
+                drawn = self._race(
+                    _take(vals, done), _take(ids, done), _take(keep, done), [seeds[pending[j]] for j in done]
+                )
+                _put(token_ids, [pending[j] for j in done], drawn)
+            pending = [i for i, ok in zip(pending, fits) if not ok]
+            num_candidates = min(vocab_size, num_candidates * _CANDIDATE_GROWTH)
+        return token_ids
+
+    def _race(
+        self, vals: torch.Tensor, ids: torch.Tensor, keep: torch.Tensor, seeds: list[int | None]
+    ) -> torch.Tensor:
+        """Exponential race among kept candidates. A seeded row's draws go to its kept tokens in
+        ascending token-id order, so they do not depend on how many candidates were looked at."""
+        weight = (vals - vals[:, :1]).exp_().masked_fill_(~keep, 0.0)
+        seeded = [j for j, s in enumerate(seeds) if s is not None]
+        kept_counts: list[int] = []
+        id_order = None
+        if seeded:
+            seeded_keep = _take(keep, seeded)
+            id_order = torch.where(seeded_keep, _take(ids, seeded), self.vocab_size).argsort(
+                dim=1, stable=True
+            )
+            kept_counts = seeded_keep.sum(dim=1).tolist()
+        q = self._exponentials(seeds, kept_counts, id_order, vals.shape[1])
+        return ids.gather(1, weight.div_(q).argmax(dim=1, keepdim=True)).squeeze(1)
+
+    def _exponentials(
+        self, seeds: list[int | None], kept_counts: list[int], id_order: torch.Tensor | None, width: int
+    ) -> torch.Tensor:
+        """Exp(1) noise [rows, width]. Seeded row j (in seed order) gets `kept_counts[j]` draws from
+        its own generator, placed at columns `id_order[j]` (or in column order when None)."""
+        seeded = [i for i, s in enumerate(seeds) if s is not None]
+        q = torch.empty(len(seeds), width, dtype=torch.float32, device=self.device)
+        if len(seeded) < len(seeds):
+            q.uniform_(generator=self._generator).log_().neg_().clamp_min_(_TINY)
+        if seeded:
+            uniform = torch.ones(len(seeded), width, dtype=torch.float32)
+            for j, i in enumerate(seeded):
+                self._seeded_generator.manual_seed(seeds[i])  # type: ignore[arg-type]
+                uniform[j, : kept_counts[j]].uniform_(generator=self._seeded_generator)
+            noise = uniform.log_().neg_().clamp_min_(_TINY).to(self.device)
+            if id_order is not None:
+                noise = torch.empty_like(noise).scatter_(1, id_order, noise)
+            q = noise if len(seeded) == len(seeds) else q.index_copy_(0, _index(seeded, q.device), noise)
+        return q
+
+    def _logprobs(
+        self, logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]
+    ) -> list[dict[int, float] | None]:
+        """Top-n of the raw model distribution plus the sampled token, for each row that asked."""
+        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+        logprobs = _take(logits, asked).float().log_softmax(dim=-1)
+        sampled = _index([tokens[i] for i in asked], logprobs.device)[:, None]
+        sampled_logprobs = logprobs.gather(1, sampled).squeeze(1).tolist()
+        top_n = max(params[i].logprobs or 0 for i in asked)
+        top_vals, top_ids = logprobs.topk(top_n, dim=1) if top_n else (logprobs[:, :0], sampled[:, :0])
+        top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+        out: list[dict[int, float] | None] = [None] * len(params)
+        for j, i in enumerate(asked):
+            n = params[i].logprobs or 0
+            entry = dict(zip(top_ids_l[j][:n], top_vals_l[j][:n]))
+            entry.setdefault(tokens[i], sampled_logprobs[j])
+            out[i] = entry
+        return out
+
+
+def _is_greedy(p: SamplingParams) -> bool:
+    return p.temperature < _GREEDY_BELOW
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _index(indices: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(indices, dtype=torch.int64, device=device)
+
+
+def _take(x: torch.Tensor, indices: list[int]) -> torch.Tensor:
+    """Rows `indices` of x; x itself when that is every row in order."""
+    if len(indices) == x.shape[0]:
+        return x
+    return x.index_select(0, _index(indices, x.device))
+
+
+def _put(dst: torch.Tensor, indices: list[int], src: torch.Tensor) -> None:
+    if len(indices) == dst.shape[0]:
+        dst.copy_(src)
+    else:
+        dst.index_copy_(0, _index(indices, dst.device), src)
