@@ -6,6 +6,7 @@ chunks), then multi-token rows (prefill chunks). The runner builds this; the lay
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [R] long: flat positions whose logits are wanted
     single: TokenGroup | None  # rows with exactly one new token (flat positions 0..D-1)
     multi: TokenGroup | None  # rows with several new tokens
+    after_layer: Callable[[int], None] | None = None  # called with each layer id once it has run
 
     @property
     def num_tokens(self) -> int:

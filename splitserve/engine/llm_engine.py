@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,11 +19,14 @@ from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from splitserve.engine.state_transfer import LayerState, token_rows, write_layer
 from splitserve.engine.stopping import check_stop
 from splitserve.engine_config import EngineConfig
 from splitserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+HANDOFF = "handoff"  # finish reason of a prefill-only request whose decode continues elsewhere
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -96,17 +100,72 @@ class LLMEngine:
         )
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        export: Callable[[LayerState], None] | None = None,
     ) -> Request:
-        """Validate and queue; raises ValueError naming what is wrong with the request."""
+        """Validate and queue; raises ValueError naming what is wrong with the request.
+
+        With `export`, the request is prefill-only: it ends after its first token (finish reason
+        "handoff" unless that token already ended it) and `export` receives every layer's state
+        as the final prompt chunk finishes that layer.
+        """
+        request = self._new_request(request_id, prompt_token_ids, params, prompt)
+        request.prefill_only = export is not None
+        request.export = export
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def _new_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None
+    ) -> Request:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
         ids = self.validate_prompt(prompt_token_ids)
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        request = Request(request_id, ids, params, max_tokens, next(self._arrivals), prompt=prompt)
+        return Request(request_id, ids, params, max_tokens, next(self._arrivals), prompt=prompt)
+
+    def reserve_transfer(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> bool:
+        """Hold a slot and KV blocks for a prompt whose state another engine computes.
+
+        False when there is no room now (the caller retries elsewhere or later).
+        """
+        request = self._new_request(request_id, prompt_token_ids, params, None)
+        if not self.scheduler.reserve(request, request.num_prompt_tokens + 1):
+            return False
         self.requests[request_id] = request
-        self.scheduler.add(request)
+        return True
+
+    def write_transferred_state(self, request_id: str, state: LayerState) -> None:
+        """Scatter one arriving layer state into the room `reserve_transfer` held."""
+        request = self.scheduler.reserved.get(request_id)
+        if request is None or request.state_slot is None:
+            raise KeyError(f"no reservation for request {request_id!r}")
+        if state.token_end != request.num_prompt_tokens:
+            raise ValueError(
+                f"state covers tokens [{state.token_start}, {state.token_end}); the prompt has "
+                f"{request.num_prompt_tokens}"
+            )
+        rows = token_rows(request.block_table, request.num_prompt_tokens, self.config.block_size)
+        write_layer(self.caches, state, rows, request.state_slot)
+
+    def admit_transferred(
+        self, request_id: str, first_token_id: int, first_logprobs: dict[int, float] | None = None
+    ) -> Request:
+        """Every layer has arrived: the request joins the batch after its first token."""
+        request = self.scheduler.reserved.get(request_id)
+        if request is None:
+            raise KeyError(f"no reservation for request {request_id!r}")
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.output_token_ids.append(int(first_token_id))
+        if first_logprobs is not None:
+            request.output_logprobs.append(first_logprobs)
+        self.scheduler.admit_reserved(request)
         return request
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> list[int]:
@@ -171,6 +230,8 @@ class LLMEngine:
             if logprobs is not None:
                 request.output_logprobs.append(logprobs)
             stop = check_stop(request, self.model_config.eos_token_ids, self.max_model_len)
+            if stop is None and request.prefill_only:
+                stop = (HANDOFF, None)
             if stop is not None:
                 self.scheduler.finish(request, *stop)
                 self.requests.pop(request.request_id, None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,7 @@ from splitserve.engine.forward_batch import ForwardBatch, TokenGroup
 from splitserve.engine.model.kimi_linear import KimiLinearForCausalLM, LayerCaches
 from splitserve.engine.sampler import Sampler, SamplingRow
 from splitserve.engine.scheduler import ScheduledRequest
+from splitserve.engine.state_transfer import extract_layer, token_rows
 
 
 @dataclass
@@ -43,6 +45,7 @@ class ModelRunner:
         multis = [s for s in scheduled if s.num_new_tokens > 1]
         ordered = singles + multis
         batch = self.build_batch(singles, multis)
+        batch.after_layer = self._exporter([s for s in ordered if s.samples and s.request.export is not None])
         hidden = self.model(batch, self.caches)
         sampling = [s for s in ordered if s.samples]
         if not sampling:
@@ -60,6 +63,24 @@ class ModelRunner:
                 if lp is not None:
                     lps[s.request.request_id] = lp
         return StepResult(ids, lps)
+
+    def _exporter(self, exporting: list[ScheduledRequest]) -> Callable[[int], None] | None:
+        """After each layer, hand every exporting request that layer's state (its final chunk ran)."""
+        if not exporting:
+            return None
+        jobs = []
+        for s in exporting:
+            req = s.request
+            num_tokens = req.num_computed_tokens + s.num_new_tokens
+            jobs.append((req, token_rows(req.block_table, num_tokens, self.block_size), num_tokens))
+
+        def after_layer(layer_id: int) -> None:
+            for req, rows, num_tokens in jobs:
+                assert req.export is not None and req.state_slot is not None
+                for state in extract_layer(self.caches, layer_id, rows, req.state_slot, num_tokens):
+                    req.export(state)
+
+        return after_layer
 
     @torch.inference_mode()
     def chunk_logits(self, chunk: ScheduledRequest) -> torch.Tensor:

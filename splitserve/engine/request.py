@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from splitserve.sampling_params import SamplingParams
 
@@ -38,6 +40,10 @@ class Request:
     num_preemptions: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # prefill-only requests end after their first token; `export` receives each layer's state
+    # (a LayerState) as the final prompt chunk finishes that layer
+    prefill_only: bool = False
+    export: Callable[[Any], None] | None = None
 
     @property
     def num_tokens(self) -> int:

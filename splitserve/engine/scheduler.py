@@ -55,6 +55,7 @@ class Scheduler:
         self.slots = slots
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.reserved: dict[str, Request] = {}  # room held for requests whose state is arriving
         self.num_preemptions = 0  # since start, for metrics and tests
 
     def add(self, request: Request) -> None:
@@ -63,6 +64,10 @@ class Scheduler:
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.running) + len(self.reserved)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -83,7 +88,7 @@ class Scheduler:
             if request.status is RequestStatus.RUNNING:
                 scheduled.append(ScheduledRequest(request, num_new))
                 budget -= num_new
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and not preempted and self.num_seqs < self.config.max_num_seqs:
             request = self.waiting[0]
             num_new = self._chunk_len(request, budget)
             if self.slots.num_free_slots == 0 or not self.reserve_blocks(request, num_new):
@@ -96,10 +101,28 @@ class Scheduler:
             budget -= num_new
         return SchedulerOutput(scheduled, preempted)
 
+    def reserve(self, request: Request, num_tokens: int) -> bool:
+        """Hold a state slot and KV blocks for `num_tokens` tokens whose state comes from elsewhere."""
+        if self.num_seqs >= self.config.max_num_seqs or self.slots.num_free_slots == 0:
+            return False
+        if not self.reserve_blocks(request, num_tokens):
+            return False
+        request.state_slot = self.slots.allocate()
+        self.reserved[request.request_id] = request
+        return True
+
+    def admit_reserved(self, request: Request) -> None:
+        """The reserved request's state is in place: it joins the running batch as is."""
+        del self.reserved[request.request_id]
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
     def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
         """Mark finished and free its blocks and slot (works for waiting and running requests)."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif self.reserved.get(request.request_id) is request:
+            del self.reserved[request.request_id]
         elif request in self.waiting:
             self.waiting.remove(request)
         self.release(request)

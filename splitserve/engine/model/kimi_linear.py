@@ -78,13 +78,16 @@ class KimiLinearForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         for module in self.modules():
-            if module is not self and hasattr(module, "finalize"):
-                module.finalize()
+            finalize = getattr(module, "finalize", None)
+            if module is not self and callable(finalize):
+                finalize()
 
     def forward(self, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)
-        for layer in self.model.layers:
+        for layer_id, layer in enumerate(self.model.layers):
             x = layer(x, batch, caches)
+            if batch.after_layer is not None:
+                batch.after_layer(layer_id)
         return self.model.norm(x[batch.logits_indices])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

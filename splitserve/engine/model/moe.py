@@ -28,6 +28,7 @@ class TopKRouter(nn.Module):
         self.renormalize = config.norm_topk_prob
         self.scaling = config.routed_scaling_factor
         self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias: torch.Tensor
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

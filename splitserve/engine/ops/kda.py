@@ -45,7 +45,7 @@ def kda_chunked(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
-    chunk_size: int = 32,
+    chunk_size: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Many tokens per row, chunk-parallel (WY form). Shapes [B, H, L, D] / beta [B, H, L].
 

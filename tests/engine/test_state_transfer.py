@@ -1,0 +1,112 @@
+"""Prefill on one engine, move the state layer by layer, decode on another: same tokens as one engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitserve import LLM, SamplingParams
+from splitserve.engine.llm_engine import HANDOFF, LLMEngine
+from splitserve.engine.state_transfer import KDA_CONV, KDA_RECURRENT, MLA_KV, LayerState
+from splitserve.engine_config import EngineConfig
+
+PROMPTS = [[7, 8, 9], list(range(3, 120)), [44] * 33 + list(range(50, 90))]
+
+
+def _engine(path, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(path), max_model_len=512, **kw))
+
+
+def _run_until_done(engine: LLMEngine) -> None:
+    while engine.has_unfinished_requests:
+        engine.step()
+
+
+def _disaggregated(path, params_list, prefill_kw=None):
+    prefill, decode = _engine(path, **(prefill_kw or {})), _engine(path)
+    states: dict[str, list[LayerState]] = {}
+    requests = {}
+    for i, (prompt, params) in enumerate(zip(PROMPTS, params_list)):
+        rid = f"r{i}"
+        states[rid] = []
+        requests[rid] = prefill.add_request(rid, prompt, params, export=states[rid].append)
+        assert decode.reserve_transfer(rid, prompt, params)
+    _run_until_done(prefill)
+    assert prefill.scheduler.blocks.num_free_blocks == prefill.plan.num_blocks  # prefill freed all
+    outputs = {}
+    for rid, request in requests.items():
+        assert request.finish_reason == HANDOFF and len(request.output_token_ids) == 1
+        for state in states[rid]:
+            decode.write_transferred_state(rid, state)
+        first = request.output_token_ids[0]
+        lp = request.output_logprobs[0] if request.output_logprobs else None
+        outputs[rid] = decode.admit_transferred(rid, first, lp)
+    _run_until_done(decode)
+    return prefill, decode, states, [outputs[f"r{i}"].output_token_ids for i in range(len(PROMPTS))]
+
+
+def _colocated(path, params_list):
+    llm = LLM(model=str(path), max_model_len=512)
+    return [
+        o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params_list)
+    ]
+
+
+def test_every_layer_ships_its_state_once(tiny_model_path):
+    params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)] * len(PROMPTS)
+    prefill, _, states, _ = _disaggregated(tiny_model_path, params)
+    config = prefill.model_config
+    for prompt, shipped in zip(PROMPTS, states.values()):
+        kinds = sorted((s.layer_id, s.kind) for s in shipped)
+        expected = sorted(
+            [(lid, MLA_KV) for lid in config.mla_layer_ids]
+            + [(lid, k) for lid in config.kda_layer_ids for k in (KDA_CONV, KDA_RECURRENT)]
+        )
+        assert kinds == expected
+        for s in shipped:
+            assert (s.token_start, s.token_end) == (0, len(prompt))
+            if s.kind == MLA_KV:
+                assert s.tensor.shape == (len(prompt), config.kv_lora_rank + config.qk_rope_head_dim)
+            if s.kind == KDA_RECURRENT:
+                assert s.tensor.dtype == torch.float32 and s.tensor.abs().sum() > 0
+
+
+def test_greedy_disaggregated_equals_one_engine(tiny_model_path):
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * len(PROMPTS)
+    _, _, _, tokens = _disaggregated(tiny_model_path, params, prefill_kw={"max_num_batched_tokens": 32})
+    assert tokens == _colocated(tiny_model_path, params)
+
+
+def test_seeded_sampling_disaggregated_equals_one_engine(tiny_model_path):
+    params = [
+        SamplingParams(
+            temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=12, ignore_eos=True, repetition_penalty=1.2
+        )
+        for i in range(len(PROMPTS))
+    ]
+    _, _, _, tokens = _disaggregated(tiny_model_path, params)
+    assert tokens == _colocated(tiny_model_path, params)
+
+
+def test_decode_refuses_state_that_does_not_fit(tiny_model_path):
+    decode = _engine(tiny_model_path)
+    params = SamplingParams(max_tokens=2)
+    assert decode.reserve_transfer("x", [1, 2, 3], params)
+    layer = decode.model_config.kda_layer_ids[0]
+    with pytest.raises(ValueError, match="expected"):
+        decode.write_transferred_state("x", LayerState(layer, KDA_RECURRENT, torch.zeros(2, 2), 0, 3))
+    with pytest.raises(ValueError, match="prompt has 3"):
+        decode.write_transferred_state("x", LayerState(layer, KDA_RECURRENT, torch.zeros(2, 2), 0, 4))
+    with pytest.raises(KeyError, match="no reservation"):
+        decode.write_transferred_state("nope", LayerState(layer, KDA_RECURRENT, torch.zeros(2, 2), 0, 3))
+    decode.abort_request("x")
+    assert decode.scheduler.blocks.num_free_blocks == decode.plan.num_blocks
+    assert decode.scheduler.slots.num_free_slots == decode.plan.num_slots
+
+
+def test_reservations_count_against_max_num_seqs(tiny_model_path):
+    decode = _engine(tiny_model_path, max_num_seqs=2)
+    params = SamplingParams(max_tokens=2)
+    assert decode.reserve_transfer("a", [1, 2], params)
+    assert decode.reserve_transfer("b", [1, 2], params)
+    assert not decode.reserve_transfer("c", [1, 2], params)
