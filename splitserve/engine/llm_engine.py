@@ -130,15 +130,19 @@ class LLMEngine:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return Request(request_id, ids, params, max_tokens, next(self._arrivals), prompt=prompt)
 
-    def reserve_transfer(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> bool:
-        """Hold a slot and KV blocks for a prompt whose state another engine computes.
-
-        False when there is no room now (the caller retries elsewhere or later).
-        """
-        request = self._new_request(request_id, prompt_token_ids, params, None)
-        if not self.scheduler.reserve(request, request.num_prompt_tokens + 1):
+    def reserve_transfer(self, request_id: str, num_prompt_tokens: int) -> bool:
+        """Hold a slot and KV blocks for a prompt of `num_prompt_tokens` whose state another engine
+        computes. False when there is no room now (the caller retries elsewhere or later)."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        if not 0 < num_prompt_tokens < self.max_model_len:
+            raise ValueError(
+                f"prompt has {num_prompt_tokens:,} tokens; this model takes 1 to {self.max_model_len - 1:,}"
+            )
+        placeholder = Request(request_id, [0] * num_prompt_tokens, SamplingParams(), 1, next(self._arrivals))
+        if not self.scheduler.reserve(placeholder, num_prompt_tokens + 1):
             return False
-        self.requests[request_id] = request
+        self.requests[request_id] = placeholder
         return True
 
     def write_transferred_state(self, request_id: str, state: LayerState) -> None:
@@ -155,18 +159,33 @@ class LLMEngine:
         write_layer(self.caches, state, rows, request.state_slot)
 
     def admit_transferred(
-        self, request_id: str, first_token_id: int, first_logprobs: dict[int, float] | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        first_token_id: int,
+        first_logprobs: dict[int, float] | None = None,
     ) -> Request:
         """Every layer has arrived: the request joins the batch after its first token."""
-        request = self.scheduler.reserved.get(request_id)
-        if request is None:
+        reserved = self.scheduler.reserved.get(request_id)
+        if reserved is None:
             raise KeyError(f"no reservation for request {request_id!r}")
-        request.num_computed_tokens = request.num_prompt_tokens
-        request.output_token_ids.append(int(first_token_id))
+        request = self._new_request("", prompt_token_ids, params, None)
+        if request.num_prompt_tokens != reserved.num_prompt_tokens:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens; {reserved.num_prompt_tokens} were reserved"
+            )
+        reserved.prompt_token_ids, reserved.params, reserved.max_tokens = (
+            request.prompt_token_ids,
+            params,
+            request.max_tokens,
+        )
+        reserved.num_computed_tokens = reserved.num_prompt_tokens
+        reserved.output_token_ids.append(int(first_token_id))
         if first_logprobs is not None:
-            request.output_logprobs.append(first_logprobs)
-        self.scheduler.admit_reserved(request)
-        return request
+            reserved.output_logprobs.append(first_logprobs)
+        self.scheduler.admit_reserved(reserved)
+        return reserved
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> list[int]:
         ids = [int(t) for t in prompt_token_ids]

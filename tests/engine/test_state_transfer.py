@@ -30,7 +30,7 @@ def _disaggregated(path, params_list, prefill_kw=None):
         rid = f"r{i}"
         states[rid] = []
         requests[rid] = prefill.add_request(rid, prompt, params, export=states[rid].append)
-        assert decode.reserve_transfer(rid, prompt, params)
+        assert decode.reserve_transfer(rid, len(prompt))
     _run_until_done(prefill)
     assert prefill.scheduler.blocks.num_free_blocks == prefill.plan.num_blocks  # prefill freed all
     outputs = {}
@@ -40,7 +40,9 @@ def _disaggregated(path, params_list, prefill_kw=None):
             decode.write_transferred_state(rid, state)
         first = request.output_token_ids[0]
         lp = request.output_logprobs[0] if request.output_logprobs else None
-        outputs[rid] = decode.admit_transferred(rid, first, lp)
+        outputs[rid] = decode.admit_transferred(
+            rid, PROMPTS[int(rid[1:])], params_list[int(rid[1:])], first, lp
+        )
     _run_until_done(decode)
     return prefill, decode, states, [outputs[f"r{i}"].output_token_ids for i in range(len(PROMPTS))]
 
@@ -90,8 +92,7 @@ def test_seeded_sampling_disaggregated_equals_one_engine(tiny_model_path):
 
 def test_decode_refuses_state_that_does_not_fit(tiny_model_path):
     decode = _engine(tiny_model_path)
-    params = SamplingParams(max_tokens=2)
-    assert decode.reserve_transfer("x", [1, 2, 3], params)
+    assert decode.reserve_transfer("x", 3)
     layer = decode.model_config.kda_layer_ids[0]
     with pytest.raises(ValueError, match="expected"):
         decode.write_transferred_state("x", LayerState(layer, KDA_RECURRENT, torch.zeros(2, 2), 0, 3))
@@ -106,7 +107,6 @@ def test_decode_refuses_state_that_does_not_fit(tiny_model_path):
 
 def test_reservations_count_against_max_num_seqs(tiny_model_path):
     decode = _engine(tiny_model_path, max_num_seqs=2)
-    params = SamplingParams(max_tokens=2)
-    assert decode.reserve_transfer("a", [1, 2], params)
-    assert decode.reserve_transfer("b", [1, 2], params)
-    assert not decode.reserve_transfer("c", [1, 2], params)
+    assert decode.reserve_transfer("a", 2)
+    assert decode.reserve_transfer("b", 2)
+    assert not decode.reserve_transfer("c", 2)
