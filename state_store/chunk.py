@@ -1,0 +1,161 @@
+"""The unit of stored state: a self-describing tensor slice (`Chunk`) and its metadata.
+
+Torch-free: a chunk is bytes plus dtype name and shape. A state object is every chunk sharing
+(key, layer, kind); chunk i holds rows of dim 0, and concatenating them in chunk order along dim 0
+gives the tensor back. `make_chunks` does the split so no chunk exceeds the wire's limits.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from state_store import checksum
+from state_store.errors import InvalidChunkError
+
+DEFAULT_CHUNK_BYTES = 1 << 20  # what writers split at: well under gRPC's 4 MiB message limit
+MAX_CHUNK_BYTES = 3 << 20  # what the store accepts: a 4 MiB message keeps 1 MiB for metadata
+
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+
+
+class StateKind(str, enum.Enum):
+    """Which part of a layer's state a chunk holds (values match splitserve.engine.state_transfer)."""
+
+    MLA_KV = "mla_kv"
+    KDA_CONV = "kda_conv"
+    KDA_RECURRENT = "kda_recurrent"
+    REPLAY_RING = "replay_ring"
+
+
+class ChunkId(NamedTuple):
+    """Where a chunk sits in the store: unique per stored chunk."""
+
+    key: str
+    layer: int
+    kind: StateKind
+    chunk_index: int
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """Everything about a chunk but its bytes; validated at construction."""
+
+    key: str
+    layer: int
+    kind: StateKind
+    dtype: str
+    shape: tuple[int, ...]
+    token_start: int
+    token_end: int
+    checksum: int
+    chunk_index: int = 0
+    num_chunks: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", StateKind(self.kind))
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        problems = [
+            (bool(self.key), "key must be a non-empty string"),
+            (self.layer >= 0, f"layer must be >= 0 (got {self.layer})"),
+            (self.dtype in DTYPE_ITEMSIZE, f"dtype {self.dtype!r} unknown; use one of {sorted(DTYPE_ITEMSIZE)}"),
+            (all(d >= 0 for d in self.shape), f"shape {self.shape} has a negative dimension"),
+            (0 <= self.token_start <= self.token_end,
+             f"token range [{self.token_start}, {self.token_end}) is not a range"),
+            (0 <= self.chunk_index < self.num_chunks,
+             f"chunk_index {self.chunk_index} is outside [0, num_chunks={self.num_chunks})"),
+        ]  # fmt: skip
+        for ok, message in problems:
+            if not ok:
+                raise InvalidChunkError(f"chunk of key {self.key!r} layer {self.layer}: {message}")
+
+    @property
+    def id(self) -> ChunkId:
+        return ChunkId(self.key, self.layer, self.kind, self.chunk_index)
+
+    @property
+    def num_bytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
+
+    def describe(self) -> str:
+        return f"key {self.key!r} layer {self.layer} {self.kind.value} chunk {self.chunk_index}/{self.num_chunks}"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A chunk's metadata and bytes; `len(data)` must equal what shape and dtype say."""
+
+    meta: ChunkMeta
+    data: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.data) != self.meta.num_bytes:
+            raise InvalidChunkError(
+                f"{self.meta.describe()}: {len(self.data)} bytes, but shape {self.meta.shape} of "
+                f"{self.meta.dtype} is {self.meta.num_bytes} bytes"
+            )
+
+
+def make_chunks(
+    key: str,
+    layer: int,
+    kind: StateKind | str,
+    data: bytes,
+    *,
+    dtype: str,
+    shape: Sequence[int],
+    token_start: int,
+    token_end: int,
+    max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> list[Chunk]:
+    """Splits one tensor's bytes along dim 0 into checksummed chunks of at most `max_chunk_bytes`.
+
+    MLA KV rows are tokens, so each MLA chunk gets the token range of its rows; every other kind
+    is a state at one point, and all its chunks carry the whole range.
+    """
+    kind = StateKind(kind)
+    shape = tuple(int(d) for d in shape)
+    if dtype not in DTYPE_ITEMSIZE:
+        raise InvalidChunkError(f"dtype {dtype!r} unknown; use one of {sorted(DTYPE_ITEMSIZE)}")
+    num_rows = shape[0] if shape else 1
+    row_bytes = math.prod(shape[1:]) * DTYPE_ITEMSIZE[dtype] if shape else DTYPE_ITEMSIZE[dtype]
+    if len(data) != num_rows * row_bytes:
+        raise InvalidChunkError(f"{len(data)} bytes do not hold shape {shape} of {dtype}")
+    if kind is StateKind.MLA_KV and num_rows != token_end - token_start:
+        raise InvalidChunkError(f"MLA KV has {num_rows} rows for tokens [{token_start}, {token_end})")
+    if row_bytes > max_chunk_bytes:
+        raise InvalidChunkError(
+            f"one row of shape {shape} is {row_bytes} bytes, over max_chunk_bytes={max_chunk_bytes}; "
+            "reshape so dim 0 is finer (e.g. [heads * head_k_dim, head_v_dim])"
+        )
+    rows_per_chunk = max(1, max_chunk_bytes // row_bytes) if row_bytes else max(1, num_rows)
+    starts = list(range(0, num_rows, rows_per_chunk)) or [0]
+    chunks = []
+    for index, row in enumerate(starts):
+        end = min(row + rows_per_chunk, num_rows)
+        piece = data[row * row_bytes : end * row_bytes]
+        tokens = (
+            (token_start + row, token_start + end) if kind is StateKind.MLA_KV else (token_start, token_end)
+        )
+        chunk_shape = (end - row, *shape[1:]) if shape else shape
+        meta = ChunkMeta(
+            key, layer, kind, dtype, chunk_shape, *tokens, checksum.compute(piece), index, len(starts)
+        )
+        chunks.append(Chunk(meta, piece))
+    return chunks

@@ -1,0 +1,103 @@
+"""Local-disk tier: one file per object under a private directory, bounded in bytes, LRU."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Hashable
+from pathlib import Path
+
+from state_store.errors import CorruptStateError
+from state_store.lru import LruIndex
+from state_store.tier import Evicted, Tier, TierStats
+
+
+class DiskTier(Tier):
+    """Holds objects as files in a fresh directory under `root`, up to `capacity_bytes`.
+
+    Owns that directory (created by `tempfile.mkdtemp`, so stores sharing a root never collide)
+    and every file in it; `close` deletes the directory. Files are written to a temporary name
+    and renamed, so a reader never sees half a file. Evicted files are deleted at once
+    (`Evicted.data` is None). Nothing survives a restart: leases die with the store. See `Tier`
+    for the locking, eviction and pin contract; file I/O runs under the tier's lock.
+    """
+
+    name = "disk"
+
+    def __init__(self, root: str | os.PathLike[str], capacity_bytes: int) -> None:
+        Path(root).mkdir(parents=True, exist_ok=True)
+        self.directory = Path(tempfile.mkdtemp(prefix="splitserve-tier-", dir=root))
+        self._lock = threading.Lock()
+        self._index = LruIndex(self.name, capacity_bytes)
+        self._paths: dict[Hashable, Path] = {}
+        self._names = itertools.count()
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._index.capacity_bytes
+
+    def path_of(self, oid: Hashable) -> Path | None:
+        """The file holding `oid` (for debugging and tests), or None."""
+        with self._lock:
+            return self._paths.get(oid)
+
+    def contains(self, oid: Hashable) -> bool:
+        with self._lock:
+            return oid in self._index
+
+    def put(self, oid: Hashable, data: bytes) -> list[Evicted]:
+        with self._lock:
+            victims = self._index.victims(oid, len(data))
+            for victim in victims:
+                self._delete_locked(victim)
+            path = self._paths.get(oid) or self.directory / f"{next(self._names):012d}.bin"
+            partial = path.with_suffix(".partial")
+            partial.write_bytes(data)
+            os.replace(partial, path)
+            self._paths[oid] = path
+            self._index.add(oid, len(data))
+            return [Evicted(v, None) for v in victims]
+
+    def get(self, oid: Hashable) -> bytes | None:
+        with self._lock:
+            path = self._paths.get(oid)
+            if path is None:
+                return None
+            self._index.touch(oid)
+            try:
+                return path.read_bytes()
+            except FileNotFoundError as e:
+                raise CorruptStateError(f"disk tier file {path} for {oid} vanished") from e
+
+    def pin(self, oid: Hashable) -> bool:
+        with self._lock:
+            return self._index.pin(oid)
+
+    def unpin(self, oid: Hashable) -> bool:
+        with self._lock:
+            return self._index.unpin(oid)
+
+    def remove(self, oid: Hashable) -> int:
+        with self._lock:
+            return self._delete_locked(oid)
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            index = self._index
+            return TierStats(self.name, index.num_bytes, index.capacity_bytes, len(index), index.num_pinned)
+
+    def close(self) -> None:
+        with self._lock:
+            for oid in self._index.ids():
+                self._index.discard(oid)
+            self._paths.clear()
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    def _delete_locked(self, oid: Hashable) -> int:
+        path = self._paths.pop(oid, None)
+        if path is not None:
+            path.unlink(missing_ok=True)
+        return self._index.discard(oid)

@@ -1,0 +1,374 @@
+"""The state store's core: leased, checksummed chunks by key over a RAM tier that spills to disk."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Collection, Iterator, Sequence
+
+from state_store import checksum
+from state_store.chunk import MAX_CHUNK_BYTES, Chunk, ChunkMeta
+from state_store.disk_tier import DiskTier
+from state_store.entry import Entry, Gone
+from state_store.errors import (
+    CorruptStateError,
+    InvalidChunkError,
+    KeySealedError,
+    LeaseExpiredError,
+    OwnershipError,
+    StateEvictedError,
+    StateNotFoundError,
+    StateReleasedError,
+    StateStoreError,
+    StateTimeoutError,
+    StoreFullError,
+)
+from state_store.info import KeyInfo, ReleaseResult, StoreConfig, StoreStats
+from state_store.leases import Clock, LeaseTable
+from state_store.memory_tier import MemoryTier
+from state_store.prefix_index import PrefixIndex
+from state_store.tier import Tier
+from state_store.tiered import TieredStorage
+
+
+class StateStore:
+    """Owns every chunk put into it until its key is released, expires, is evicted or corrupts.
+
+    Promises:
+    * A read returns exactly the bytes written (crc32 checked on put and on every read) or
+      raises: `CorruptStateError` on a mismatch, a `StateUnavailableError` subclass saying why a
+      key is not there (never stored, lease expired, evicted, released). A key loses all of its
+      chunks at once, so no partial state is ever served.
+    * `get` streams a key's chunks in arrival order while the writer is still putting them and
+      ends when the key is sealed (`final=True` or `seal`) and every chunk was yielded.
+    * Chunks go to the memory tier; what it evicts spills to the disk tier; what the disk tier
+      evicts takes its whole key with it. Pinned keys are never evicted.
+    * Every key has an owner and a lease; expiry is checked on every call and by `expire()`.
+    Thread-safe: one lock guards the metadata; chunk bytes are read and checked outside it.
+    """
+
+    def __init__(
+        self,
+        memory: Tier,
+        disk: Tier | None = None,
+        *,
+        default_lease_s: float = 60.0,
+        max_chunk_bytes: int = MAX_CHUNK_BYTES,
+        clock: Clock = time.monotonic,
+        num_tombstones: int = 65536,
+    ) -> None:
+        self._tiers = TieredStorage(memory, disk)
+        self.default_lease_s = default_lease_s
+        self.max_chunk_bytes = max_chunk_bytes
+        self._lock = threading.Lock()
+        self._entries: dict[str, Entry] = {}
+        self._leases = LeaseTable(clock)
+        self._prefixes = PrefixIndex()
+        self._tombstones: OrderedDict[str, Gone] = OrderedDict()
+        self._num_tombstones = num_tombstones
+        self._stats = StoreStats()
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, config: StoreConfig, *, clock: Clock = time.monotonic) -> StateStore:
+        disk = DiskTier(config.disk_path, config.disk_bytes) if config.disk_path else None
+        return cls(
+            MemoryTier(config.memory_bytes),
+            disk,
+            default_lease_s=config.default_lease_s,
+            max_chunk_bytes=config.max_chunk_bytes,
+            clock=clock,
+            num_tombstones=config.num_tombstones,
+        )
+
+    # ---- writes ---------------------------------------------------------------------------
+
+    def put(self, chunk: Chunk, *, owner: str, lease_s: float | None = None, final: bool = False) -> None:
+        """Stores one chunk under its key, creating the key (owned by `owner`) if it is new.
+
+        `lease_s` sets the key's lease to now + lease_s (on creation the default applies if None);
+        `final` seals the key after this chunk.
+        """
+        meta = chunk.meta
+        if len(chunk.data) > self.max_chunk_bytes:
+            raise InvalidChunkError(
+                f"{meta.describe()} is {len(chunk.data)} bytes, over the store's {self.max_chunk_bytes}; "
+                "split it with state_store.chunk.make_chunks"
+            )
+        try:
+            checksum.verify(chunk.data, meta.checksum, f"{meta.describe()} as received")
+        except CorruptStateError:
+            with self._lock:
+                self._stats.num_corruptions += 1
+            raise
+        with self._lock:
+            if self._closed:
+                raise StateReleasedError("the state store is closed")
+            self._expire_locked()
+            entry = self._writable_locked(meta.key, owner, lease_s)
+            if meta.id in entry.metas:
+                raise KeySealedError(f"{meta.describe()} was already stored; chunks are written once")
+            entry.add(meta)
+            try:
+                self._place_locked(entry, meta, chunk.data)
+            except StoreFullError:
+                if entry.gone is None:
+                    entry.discard(meta)
+                raise
+            entry.raise_if_gone()  # its own write made room by evicting it
+            entry.sealed = final
+            entry.cond.notify_all()
+
+    def seal(self, key: str, *, owner: str) -> None:
+        """Marks `key` complete: readers stop after its last chunk. Idempotent."""
+        with self._lock:
+            self._expire_locked()
+            entry = self._live_locked(key)
+            if entry.owner != owner:
+                raise OwnershipError(f"key {key!r} belongs to {entry.owner!r}; {owner!r} may not seal it")
+            entry.sealed = True
+            entry.cond.notify_all()
+
+    # ---- reads ----------------------------------------------------------------------------
+
+    def get(
+        self,
+        key: str,
+        *,
+        layers: Collection[int] | None = None,
+        timeout_s: float | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[Chunk]:
+        """Yields `key`'s chunks (of `layers`, if given) in arrival order as they land.
+
+        Ends once the key is sealed and all were yielded, or quietly when `cancel` is set (call
+        `wake(key)` after setting it). Raises `StateTimeoutError` if the key is not sealed within
+        `timeout_s` (real seconds), and the key's error if it goes away meanwhile.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        wanted = None if layers is None else set(layers)
+        position = 0
+        while True:
+            with self._lock:
+                self._expire_locked()
+                entry = self._live_locked(key)
+                while position >= len(entry.order) and not entry.sealed:
+                    if cancel is not None and cancel.is_set():
+                        return
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise StateTimeoutError(
+                            f"key {key!r} was not sealed within {timeout_s} s ({position} chunks "
+                            "arrived); is its writer still running?"
+                        )
+                    entry.cond.wait(remaining)
+                    if entry.gone is None:
+                        self._expire_locked()
+                    if entry.gone is not None:
+                        entry.raise_if_gone()
+                if position >= len(entry.order):
+                    return
+                meta = entry.metas[entry.order[position]]
+                position += 1
+            if wanted is None or meta.layer in wanted:
+                yield Chunk(meta, self._read(entry, meta))
+
+    def wake(self, key: str) -> None:
+        """Wakes readers waiting on `key` (so they notice their `cancel` event)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                entry.cond.notify_all()
+
+    def lookup(self, key: str) -> KeyInfo | None:
+        """What `key` holds now, or None if it is not stored (any more)."""
+        with self._lock:
+            self._expire_locked()
+            entry = self._entries.get(key)
+            if entry is None:
+                self._stats.num_misses += 1
+                return None
+            return KeyInfo(
+                key,
+                entry.owner,
+                entry.sealed,
+                entry.num_bytes,
+                self._leases.remaining_s(key),
+                tuple(entry.metas[cid] for cid in entry.order),
+            )
+
+    def register(self, hash_chain: Sequence[bytes], key: str) -> None:
+        """Records that `key` holds the complete state of the prefix named by `hash_chain`."""
+        with self._lock:
+            self._expire_locked()
+            self._live_locked(key)
+            self._prefixes.register(hash_chain, key)
+
+    def longest_match(self, hash_chain: Sequence[bytes]) -> tuple[int, str | None]:
+        """(units, key) of the longest registered, sealed prefix of `hash_chain`; (0, None) if none."""
+        with self._lock:
+            self._expire_locked()
+            found = self._prefixes.longest_match(hash_chain, self._is_sealed_locked)
+            if found[1] is not None:
+                self._stats.num_prefix_hits += 1
+            return found
+
+    # ---- lifetime -------------------------------------------------------------------------
+
+    def renew(self, key: str, lease_s: float) -> float:
+        """Extends `key`'s lease to now + lease_s; returns the seconds it has left."""
+        with self._lock:
+            self._expire_locked()
+            self._live_locked(key)
+            self._leases.renew(key, lease_s)
+            return self._leases.remaining_s(key)
+
+    def pin(self, key: str) -> None:
+        """Keeps `key`'s chunks (present and future) from eviction until `unpin`. Counts."""
+        with self._lock:
+            entry = self._live_locked(key)
+            entry.num_pins += 1
+            if entry.num_pins == 1:
+                for cid in entry.order:
+                    self._tiers.tier_of(cid).pin(cid)
+
+    def unpin(self, key: str) -> None:
+        with self._lock:
+            entry = self._live_locked(key)
+            if entry.num_pins == 0:
+                raise ValueError(f"key {key!r} is not pinned")
+            entry.num_pins -= 1
+            if entry.num_pins == 0:
+                for cid in entry.order:
+                    self._tiers.tier_of(cid).unpin(cid)
+
+    def release(self, key: str | None = None, *, owner: str | None = None) -> ReleaseResult:
+        """Frees `key`, or every key `owner` holds; unknown keys free nothing (idempotent)."""
+        if (key is None) == (owner is None):
+            raise ValueError("release takes exactly one of key= or owner=")
+        with self._lock:
+            self._expire_locked()
+            keys = [key] if key is not None else self._leases.keys_of(owner or "")
+            how = f"by owner {owner!r}" if owner is not None else "by key"
+            num_keys = num_bytes = 0
+            for name in keys:
+                entry = self._entries.get(name)
+                if entry is not None:
+                    num_bytes += self._drop_locked(
+                        entry, StateReleasedError, f"key {name!r} was released {how}"
+                    )
+                    num_keys += 1
+            self._stats.num_releases += num_keys
+            return ReleaseResult(num_keys, num_bytes)
+
+    def expire(self) -> int:
+        """Frees every key whose lease ran out; returns how many (also done on every call)."""
+        with self._lock:
+            return self._expire_locked()
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            self._expire_locked()
+            self._stats.num_spills = self._tiers.num_spills
+            counters = {k: v for k, v in vars(self._stats).items() if k not in ("tiers", "num_keys")}
+            return StoreStats(tiers=self._tiers.stats(), num_keys=len(self._entries), **counters)
+
+    def close(self) -> None:
+        """Frees everything (waiting readers fail with `StateReleasedError`) and closes the tiers."""
+        with self._lock:
+            self._closed = True
+            for entry in list(self._entries.values()):
+                self._drop_locked(entry, StateReleasedError, f"key {entry.key!r} was freed: the store closed")
+            self._tiers.close()
+
+    # ---- internals (the *_locked ones run under self._lock) ----------------------------------
+
+    def _writable_locked(self, key: str, owner: str, lease_s: float | None) -> Entry:
+        entry = self._entries.get(key)
+        if entry is None:
+            if key in self._tombstones:
+                cls, why = self._tombstones[key]
+                raise cls(f"{why}; a gone key is never written again")
+            self._leases.grant(key, owner, lease_s or self.default_lease_s)
+            entry = self._entries[key] = Entry(key, owner, self._lock)
+            return entry
+        if entry.owner != owner:
+            raise OwnershipError(f"key {key!r} belongs to {entry.owner!r}; {owner!r} may not write to it")
+        if entry.sealed:
+            raise KeySealedError(f"key {key!r} is sealed; its writer said it had put everything")
+        if lease_s:
+            self._leases.renew(key, lease_s)
+        return entry
+
+    def _live_locked(self, key: str) -> Entry:
+        entry = self._entries.get(key)
+        if entry is not None:
+            return entry
+        self._stats.num_misses += 1
+        if key in self._tombstones:
+            cls, why = self._tombstones[key]
+            raise cls(why)
+        raise StateNotFoundError(
+            f"no state under key {key!r} in this store; was it put here (check the handle's store_address)?"
+        )
+
+    def _is_sealed_locked(self, key: str) -> bool:
+        entry = self._entries.get(key)
+        return entry is not None and entry.sealed
+
+    def _place_locked(self, entry: Entry, meta: ChunkMeta, data: bytes) -> None:
+        try:
+            lost = self._tiers.put(meta.id, data, pin=entry.num_pins > 0)
+        except StoreFullError as e:
+            raise StoreFullError(f"cannot store {meta.describe()}: {e}") from None
+        for key, why in lost:
+            self._evict_locked(key, why)
+
+    def _evict_locked(self, key: str, why: str) -> None:
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._stats.num_evictions += 1
+            message = f"key {key!r} was evicted ({why}); give the store more memory_bytes/disk_bytes"
+            self._drop_locked(entry, StateEvictedError, message)
+
+    def _expire_locked(self) -> int:
+        expired = self._leases.pop_expired()
+        for key in expired:
+            entry = self._entries[key]
+            self._drop_locked(entry, LeaseExpiredError, f"key {key!r} expired: its lease ran out unclaimed")
+        self._stats.num_expiries += len(expired)
+        return len(expired)
+
+    def _drop_locked(self, entry: Entry, cls: type[StateStoreError], why: str) -> int:
+        for cid in entry.order:
+            self._tiers.remove(cid)
+        del self._entries[entry.key]
+        self._leases.drop(entry.key)
+        self._prefixes.forget(entry.key)
+        self._tombstones[entry.key] = entry.gone = (cls, why)
+        while len(self._tombstones) > self._num_tombstones:
+            self._tombstones.popitem(last=False)
+        entry.cond.notify_all()
+        return entry.num_bytes
+
+    def _read(self, entry: Entry, meta: ChunkMeta) -> bytes:
+        cid = meta.id
+        try:
+            data = self._tiers.fetch(cid)
+            if data is None:  # it may be between tiers: moves happen under the lock
+                with self._lock:
+                    data = self._tiers.fetch(cid)
+                    if data is None:
+                        cls, why = entry.gone or (StateEvictedError, f"{meta.describe()} is in no tier")
+                        raise cls(why)
+            checksum.verify(data, meta.checksum, f"{meta.describe()} as stored")
+        except CorruptStateError as e:
+            with self._lock:
+                self._stats.num_corruptions += 1
+                if self._entries.get(entry.key) is entry:
+                    self._drop_locked(entry, CorruptStateError, f"key {entry.key!r} was dropped: {e}")
+            raise
+        with self._lock:
+            self._stats.num_hits += 1
+        return data
