@@ -1,0 +1,75 @@
+"""Conversions between splitserve's Python types and the protobuf messages of `proto/`. Torch-free.
+
+One place for every field mapping, so the frontend and the workers cannot disagree.
+"""
+
+from __future__ import annotations
+
+from proto import common_pb2
+from splitserve.sampling_params import SamplingParams
+
+FINISH_TO_PROTO = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+FINISH_FROM_PROTO = {v: k for k, v in FINISH_TO_PROTO.items()}
+
+
+def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        n=params.n,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        min_tokens=params.min_tokens,
+        stop=params.stop,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        skip_special_tokens=params.skip_special_tokens,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    if params.max_tokens is not None:
+        msg.max_tokens = params.max_tokens
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
+    return msg
+
+
+def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Validated on the way in: a bad value raises ValueError naming the field."""
+    return SamplingParams(
+        n=msg.n or 1,
+        temperature=msg.temperature,
+        top_p=msg.top_p,
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty,
+        seed=msg.seed if msg.HasField("seed") else None,
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
+        min_tokens=msg.min_tokens,
+        stop=list(msg.stop),
+        stop_token_ids=list(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        skip_special_tokens=msg.skip_special_tokens,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+    )
+
+
+def logprobs_to_proto(entry: dict[int, float] | None) -> common_pb2.TokenLogprobs:
+    entry = entry or {}
+    return common_pb2.TokenLogprobs(token_ids=list(entry), logprobs=list(entry.values()))
+
+
+def logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> dict[int, float]:
+    return dict(zip(msg.token_ids, msg.logprobs))
