@@ -1,0 +1,187 @@
+"""The Decode gRPC service: reserve room, pull state as it lands, join the batch, stream tokens."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from decode_worker.state_reader import StateReader
+from proto import decode_pb2, decode_pb2_grpc, store_pb2, store_pb2_grpc
+from splitserve.engine.engine_loop import EngineLoop
+from splitserve.engine.llm_engine import RequestUpdate
+from splitserve.engine.state_codec import CorruptStateError
+from splitserve.grpc_server import abort, channel
+from splitserve.wire import (
+    FINISH_TO_PROTO,
+    logprobs_from_proto,
+    logprobs_to_proto,
+    sampling_params_from_proto,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    """Owns the reservations in flight (one StateReader each) and their lapse timers."""
+
+    def __init__(
+        self, loop: EngineLoop, worker_id: str, store_address: str, state_timeout_s: float = 60.0
+    ) -> None:
+        self.loop = loop
+        self.worker_id = worker_id
+        self.store_address = store_address
+        self.store = store_pb2_grpc.StateStoreStub(channel(store_address))
+        self.state_timeout_s = state_timeout_s
+        config = loop.engine.model_config
+        self.num_states = len(config.mla_layer_ids) + 2 * len(config.kda_layer_ids)
+        self._readers: dict[str, StateReader] = {}
+        self._lock = threading.Lock()
+
+    def Reserve(
+        self, request: decode_pb2.ReserveRequest, context: grpc.ServicerContext
+    ) -> decode_pb2.ReserveResponse:
+        rid, n = request.request_id, request.num_prompt_tokens
+        try:
+            accepted = self.loop.call(lambda e: e.reserve_transfer(rid, n)).result(timeout=30)
+        except ValueError as exc:
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not accepted:
+            return decode_pb2.ReserveResponse(
+                accepted=False, reject_reason="no free KV blocks or state slots"
+            )
+        key = f"{self.worker_id}/{rid}"
+        timeout_s = request.timeout_s or self.state_timeout_s
+        reader = StateReader(self.loop, self.store, rid, key, self.num_states, timeout_s)
+        with self._lock:
+            self._readers[rid] = reader
+        lapse = threading.Timer(2 * timeout_s, self._lapse, args=(rid, reader))
+        lapse.daemon = True
+        lapse.start()
+        return decode_pb2.ReserveResponse(
+            accepted=True,
+            store_address=self.store_address,
+            state_key=key,
+            state_owner=self.worker_id,
+            expiry_unix_s=time.time() + timeout_s,
+        )
+
+    def Decode(
+        self, request: decode_pb2.DecodeRequest, context: grpc.ServicerContext
+    ) -> Iterator[decode_pb2.TokenDelta]:
+        rid = request.request_id
+        with self._lock:
+            reader = self._readers.pop(rid, None)
+        if reader is None:
+            abort(
+                context, grpc.StatusCode.NOT_FOUND, f"no reservation for request {rid!r}; call Reserve first"
+            )
+        arrived = time.time()
+        try:
+            params = sampling_params_from_proto(request.sampling_params)
+            reader.wait(self.state_timeout_s)
+        except ValueError as exc:
+            self._drop(rid, reader)
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except CorruptStateError as exc:
+            self._drop(rid, reader)
+            abort(context, grpc.StatusCode.DATA_LOSS, f"state of {rid} is corrupt: {exc}")
+        except (TimeoutError, grpc.RpcError, RuntimeError) as exc:
+            self._drop(rid, reader)
+            abort(context, grpc.StatusCode.UNAVAILABLE, f"state of {rid} could not be read: {exc}")
+        state_wait_s = time.time() - arrived
+        updates: queue.Queue[RequestUpdate] = queue.Queue()
+        self.loop.watch(rid, updates.put)
+        first_lp = logprobs_from_proto(request.first_logprobs) if request.HasField("first_logprobs") else None
+        prompt, first = list(request.prompt_token_ids), request.first_token_id
+        try:
+            self.loop.call(lambda e: e.admit_transferred(rid, prompt, params, first, first_lp)).result(
+                timeout=30
+            )
+        except (ValueError, KeyError) as exc:
+            self._drop(rid, reader)
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self._release(reader.key)
+        finished = threading.Event()
+        context.add_callback(lambda: None if finished.is_set() else self._abort_engine(rid))
+        num_generated = 1
+        first_delta = True
+        while True:
+            update = updates.get()
+            num_generated += len(update.new_token_ids)
+            req = update.request
+            delta = decode_pb2.TokenDelta(
+                request_id=rid,
+                token_ids=update.new_token_ids,
+                logprobs=[logprobs_to_proto(lp) for lp in update.new_logprobs],
+                finish_reason=FINISH_TO_PROTO[req.finish_reason if update.finished else None],
+                num_generated_tokens=num_generated,
+                timing=decode_pb2.DecodeTiming(
+                    emit_unix_s=time.time(), state_wait_s=state_wait_s if first_delta else 0.0
+                ),
+            )
+            if update.finished and isinstance(req.stop_reason, int):
+                delta.stop_token_id = req.stop_reason
+            first_delta = False
+            if update.finished:
+                finished.set()
+            yield delta
+            if update.finished:
+                return
+
+    def _lapse(self, rid: str, reader: StateReader) -> None:
+        """No Decode came for a reservation in time: give its room and its state back."""
+        with self._lock:
+            if self._readers.get(rid) is not reader:
+                return
+            del self._readers[rid]
+        logger.warning("reservation %s lapsed without a Decode call", rid)
+        self._drop(rid, reader)
+
+    def _drop(self, rid: str, reader: StateReader) -> None:
+        reader.cancel()
+        self._abort_engine(rid)
+        self._release(reader.key)
+
+    def _release(self, key: str) -> None:
+        try:
+            self.store.Release(store_pb2.ReleaseRequest(key=key), timeout=10)
+        except grpc.RpcError:
+            logger.warning("could not release state %s; its lease will free it", key)
+
+    def _abort_engine(self, rid: str) -> None:
+        self.loop.call(lambda e: e.abort_request(rid))
+
+    def Abort(
+        self, request: decode_pb2.AbortDecodeRequest, context: grpc.ServicerContext
+    ) -> decode_pb2.AbortDecodeResponse:
+        rid = request.request_id
+        with self._lock:
+            reader = self._readers.pop(rid, None)
+        found = self.loop.call(lambda e: rid in e.requests).result(timeout=30)
+        if reader is not None:
+            self._drop(rid, reader)
+        else:
+            self._abort_engine(rid)
+        return decode_pb2.AbortDecodeResponse(found=found or reader is not None)
+
+    def Stats(
+        self, request: decode_pb2.DecodeStatsRequest, context: grpc.ServicerContext
+    ) -> decode_pb2.DecodeStats:
+        def stats(engine) -> decode_pb2.DecodeStats:  # type: ignore[no-untyped-def]
+            sched = engine.scheduler
+            return decode_pb2.DecodeStats(
+                num_running_seqs=len(sched.running),
+                num_reserved=len(sched.reserved),
+                max_num_seqs=engine.config.max_num_seqs,
+                num_free_kv_blocks=sched.blocks.num_free_blocks,
+                num_total_kv_blocks=engine.plan.num_blocks,
+                num_free_state_slots=sched.slots.num_free_slots,
+                num_total_state_slots=engine.plan.num_slots,
+            )
+
+        return self.loop.call(stats).result(timeout=10)

@@ -1,0 +1,87 @@
+"""Pulls one reserved request's state from the store while the prefill is still writing it.
+
+Started when the decode worker accepts a reservation: the store's Get streams each chunk as it
+lands, and every complete layer is scattered into the reserved room on the engine thread.
+`wait` returns once every layer is in, or raises the reason it never will be.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+
+import grpc
+
+from proto import store_pb2, store_pb2_grpc
+from splitserve.engine.engine_loop import EngineLoop
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.state_codec import decode
+
+
+class StateReader:
+    """Owns one Get stream and its thread; counts the layer states it delivered."""
+
+    def __init__(
+        self,
+        loop: EngineLoop,
+        stub: store_pb2_grpc.StateStoreStub,
+        request_id: str,
+        key: str,
+        num_states: int,
+        timeout_s: float,
+    ) -> None:
+        self.loop, self.stub, self.request_id, self.key = loop, stub, request_id, key
+        self.num_states = num_states
+        self.timeout_s = timeout_s
+        self.num_received = 0
+        self.num_bytes = 0
+        self.error: BaseException | None = None
+        self.first_chunk_at: float | None = None
+        self.done_at: float | None = None
+        self._done = threading.Event()
+        self._call: grpc.Future | None = None
+        self._cancelled = False
+        threading.Thread(target=self._pull, name=f"state-reader-{request_id}", daemon=True).start()
+
+    def wait(self, timeout_s: float) -> None:
+        if not self._done.wait(timeout_s):
+            self.cancel()
+            raise TimeoutError(f"state of {self.request_id} did not arrive within {timeout_s:.0f} s")
+        if self.error is not None:
+            raise self.error
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        call = self._call
+        if call is not None:
+            call.cancel()
+
+    def _pull(self) -> None:
+        try:
+            stream = self.stub.Get(
+                store_pb2.GetRequest(key=self.key, timeout_s=self.timeout_s), timeout=self.timeout_s
+            )
+            self._call = stream  # type: ignore[assignment]
+            rid = self.request_id
+            for state in decode(self._count(stream)):
+                self.loop.call(
+                    functools.partial(LLMEngine.write_transferred_state, request_id=rid, state=state)
+                ).result()
+                self.num_received += 1
+            if self.num_received != self.num_states:
+                raise RuntimeError(
+                    f"state of {self.request_id} ended after {self.num_received} of {self.num_states} layer states"
+                )
+        except BaseException as exc:
+            self.error = exc if not self._cancelled else RuntimeError("state transfer cancelled")
+        finally:
+            self.done_at = time.time()
+            self._done.set()
+
+    def _count(self, stream):  # type: ignore[no-untyped-def]
+        for chunk in stream:
+            if self.first_chunk_at is None:
+                self.first_chunk_at = time.time()
+            self.num_bytes += len(chunk.data)
+            yield chunk

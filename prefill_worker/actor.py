@@ -1,0 +1,22 @@
+"""The prefill worker actor: an engine in prefill mode behind the Prefill gRPC service."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import grpc
+
+from splitserve.worker_actor import WorkerActorBase
+
+
+class PrefillWorkerActor(WorkerActorBase):
+    """Prefills prompts and streams their state into the store the decode target names."""
+
+    role = "prefill"
+
+    def register_services(self) -> Callable[[grpc.Server], None]:
+        from prefill_worker.servicer import PrefillServicer
+        from proto import prefill_pb2_grpc
+
+        servicer = PrefillServicer(self.loop, self.worker_id)
+        return lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)

@@ -1,0 +1,142 @@
+"""The Prefill gRPC service: runs a prompt on the engine, streams its state to the decode
+target's store layer by layer as the final chunk finishes each layer, returns the first token."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+
+from prefill_worker.state_writer import StateWriter
+from proto import common_pb2, prefill_pb2, prefill_pb2_grpc, store_pb2, store_pb2_grpc
+from splitserve.engine.engine_loop import EngineLoop
+from splitserve.engine.llm_engine import HANDOFF, RequestUpdate
+from splitserve.grpc_server import abort, channel
+from splitserve.wire import FINISH_TO_PROTO, logprobs_to_proto, sampling_params_from_proto
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    """Owns nothing but in-flight bookkeeping; the engine loop owns the engine."""
+
+    def __init__(self, loop: EngineLoop, worker_id: str, request_timeout_s: float = 300.0) -> None:
+        self.loop = loop
+        self.worker_id = worker_id
+        self.request_timeout_s = request_timeout_s
+        self._stubs: dict[str, store_pb2_grpc.StateStoreStub] = {}
+        self._lock = threading.Lock()
+        self._num_prompt_tokens = 0
+
+    def _store(self, address: str) -> store_pb2_grpc.StateStoreStub:
+        with self._lock:
+            if address not in self._stubs:
+                self._stubs[address] = store_pb2_grpc.StateStoreStub(channel(address))
+            return self._stubs[address]
+
+    def Prefill(
+        self, request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext
+    ) -> prefill_pb2.PrefillResponse:
+        arrival = time.time()
+        rid = request.request_id
+        try:
+            params = sampling_params_from_proto(request.sampling_params)
+        except ValueError as exc:
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not request.store_address or not request.state_key:
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, "store_address and state_key are required")
+        store = self._store(request.store_address)
+        writer = StateWriter(store, request.state_key, request.state_owner or self.worker_id, request.lease_s)
+        done = threading.Event()
+        result: list[RequestUpdate] = []
+
+        def on_update(update: RequestUpdate) -> None:
+            if update.finished:
+                result.append(update)
+                done.set()
+
+        self.loop.watch(rid, on_update)
+        prompt = list(request.prompt_token_ids)
+        try:
+            self.loop.call(lambda e: e.add_request(rid, prompt, params, export=writer.write)).result()
+        except ValueError as exc:
+            self.loop.unwatch(rid)
+            writer.cancel()
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        context.add_callback(lambda: None if done.is_set() else self._abort(rid))
+        started = time.time()
+        if not done.wait(self.request_timeout_s) or not result:
+            self._abort(rid)
+            writer.cancel()
+            abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {rid} did not finish in time")
+        update = result[0]
+        prefill_s = time.time() - started
+        put_started = time.time()
+        try:
+            writer.finish(timeout_s=30.0)
+        except grpc.RpcError as exc:
+            abort(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                f"writing state to {request.store_address} failed: {exc}",
+            )
+        put_s = time.time() - put_started
+        req = update.request
+        self._num_prompt_tokens += req.num_prompt_tokens
+        reason = None if req.finish_reason == HANDOFF else req.finish_reason
+        if req.finish_reason == "abort":
+            abort(context, grpc.StatusCode.CANCELLED, f"request {rid} was aborted")
+        response = prefill_pb2.PrefillResponse(
+            request_id=rid,
+            first_token_id=req.output_token_ids[0],
+            finish_reason=FINISH_TO_PROTO[reason],
+            num_prompt_tokens=req.num_prompt_tokens,
+            timing=prefill_pb2.PrefillTiming(
+                arrival_unix_s=arrival, queue_s=0.0, prefill_s=prefill_s, state_put_s=put_s
+            ),
+        )
+        if update.new_logprobs:
+            response.first_logprobs.CopyFrom(logprobs_to_proto(update.new_logprobs[0]))
+        if isinstance(req.stop_reason, int):
+            response.stop_token_id = req.stop_reason
+        if reason is None:
+            response.state.CopyFrom(
+                common_pb2.StateHandle(
+                    store_address=request.store_address,
+                    key=request.state_key,
+                    owner=writer.owner,
+                    num_layers=len(self.loop.engine.model_config.layer_types),
+                )
+            )
+        else:  # finished on its first token: nobody will read the state
+            store.Release(store_pb2.ReleaseRequest(key=request.state_key), timeout=10)
+        return response
+
+    def _abort(self, request_id: str) -> None:
+        self.loop.call(lambda e: e.abort_request(request_id))
+
+    def Abort(
+        self, request: prefill_pb2.AbortPrefillRequest, context: grpc.ServicerContext
+    ) -> prefill_pb2.AbortPrefillResponse:
+        rid = request.request_id
+        found = self.loop.call(lambda e: rid in e.requests).result()
+        self._abort(rid)
+        return prefill_pb2.AbortPrefillResponse(found=found)
+
+    def Stats(
+        self, request: prefill_pb2.PrefillStatsRequest, context: grpc.ServicerContext
+    ) -> prefill_pb2.PrefillStats:
+        return self.loop.call(self._stats).result(timeout=10)
+
+    def _stats(self, engine) -> prefill_pb2.PrefillStats:  # type: ignore[no-untyped-def]
+        sched = engine.scheduler
+        waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in [*sched.waiting, *sched.running])
+        return prefill_pb2.PrefillStats(
+            num_waiting_requests=len(sched.waiting),
+            num_running_requests=len(sched.running),
+            num_waiting_tokens=waiting_tokens,
+            max_num_batched_tokens=engine.config.max_num_batched_tokens,
+            num_prompt_tokens=self._num_prompt_tokens,
+        )

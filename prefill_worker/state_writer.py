@@ -1,0 +1,50 @@
+"""Streams one request's state chunks into a store with a single client-streaming Put.
+
+Chunks are queued from the engine thread as each layer finishes and sent by gRPC's own thread,
+so the engine never waits on the network; `finish` seals the key and waits for the store's ack.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+
+import grpc
+
+from proto import common_pb2, store_pb2, store_pb2_grpc
+from splitserve.engine.state_codec import encode, seal
+from splitserve.engine.state_transfer import LayerState
+
+_END = None
+
+
+class StateWriter:
+    """Owns one Put stream: `write` from any thread, then `finish` (seal) or `cancel`."""
+
+    def __init__(self, stub: store_pb2_grpc.StateStoreStub, key: str, owner: str, lease_s: float) -> None:
+        self.key, self.owner, self.lease_s = key, owner, lease_s
+        self.num_bytes = 0
+        self._queue: queue.Queue[common_pb2.StateChunk | None] = queue.Queue()
+        self._call = stub.Put.future(self._messages())
+
+    def write(self, state: LayerState) -> None:
+        for chunk in encode(state, self.key, self.owner, self.lease_s):
+            self.num_bytes += len(chunk.data)
+            self._queue.put(chunk)
+
+    def finish(self, timeout_s: float) -> store_pb2.PutResponse:
+        self._queue.put(seal(self.key, self.owner))
+        self._queue.put(_END)
+        return self._call.result(timeout=timeout_s)
+
+    def cancel(self) -> None:
+        self._queue.put(_END)
+        self._call.cancel()
+
+    def _messages(self) -> Iterator[common_pb2.StateChunk]:
+        while (chunk := self._queue.get()) is not _END:
+            yield chunk
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
