@@ -13,7 +13,7 @@ import grpc
 from decode_worker.state_reader import StateReader
 from proto import decode_pb2, decode_pb2_grpc, store_pb2, store_pb2_grpc
 from splitserve.engine.engine_loop import EngineLoop
-from splitserve.engine.llm_engine import RequestUpdate
+from splitserve.engine.llm_engine import LLMEngine, RequestUpdate
 from splitserve.engine.state_codec import CorruptStateError
 from splitserve.grpc_server import abort, channel
 from splitserve.wire import (
@@ -172,16 +172,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def Stats(
         self, request: decode_pb2.DecodeStatsRequest, context: grpc.ServicerContext
     ) -> decode_pb2.DecodeStats:
-        def stats(engine) -> decode_pb2.DecodeStats:  # type: ignore[no-untyped-def]
-            sched = engine.scheduler
-            return decode_pb2.DecodeStats(
-                num_running_seqs=len(sched.running),
-                num_reserved=len(sched.reserved),
-                max_num_seqs=engine.config.max_num_seqs,
-                num_free_kv_blocks=sched.blocks.num_free_blocks,
-                num_total_kv_blocks=engine.plan.num_blocks,
-                num_free_state_slots=sched.slots.num_free_slots,
-                num_total_state_slots=engine.plan.num_slots,
-            )
+        return self.loop.call(decode_stats).result(timeout=10)
 
-        return self.loop.call(stats).result(timeout=10)
+
+def decode_stats(engine: LLMEngine) -> decode_pb2.DecodeStats:
+    """Room as the router reads it: free KV blocks and state slots, running and reserved seqs."""
+    sched = engine.scheduler
+    return decode_pb2.DecodeStats(
+        num_running_seqs=len(sched.running),
+        num_reserved=len(sched.reserved),
+        max_num_seqs=engine.config.max_num_seqs,
+        num_free_kv_blocks=sched.blocks.num_free_blocks,
+        num_total_kv_blocks=engine.plan.num_blocks,
+        num_free_state_slots=sched.slots.num_free_slots,
+        num_total_state_slots=engine.plan.num_slots,
+    )

@@ -12,7 +12,7 @@ import grpc
 from prefill_worker.state_writer import StateWriter
 from proto import common_pb2, prefill_pb2, prefill_pb2_grpc, store_pb2, store_pb2_grpc
 from splitserve.engine.engine_loop import EngineLoop
-from splitserve.engine.llm_engine import HANDOFF, RequestUpdate
+from splitserve.engine.llm_engine import HANDOFF, LLMEngine, RequestUpdate
 from splitserve.grpc_server import abort, channel
 from splitserve.wire import FINISH_TO_PROTO, logprobs_to_proto, sampling_params_from_proto
 
@@ -128,15 +128,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def Stats(
         self, request: prefill_pb2.PrefillStatsRequest, context: grpc.ServicerContext
     ) -> prefill_pb2.PrefillStats:
-        return self.loop.call(self._stats).result(timeout=10)
+        total = self._num_prompt_tokens
+        return self.loop.call(lambda e: prefill_stats(e, total)).result(timeout=10)
 
-    def _stats(self, engine) -> prefill_pb2.PrefillStats:  # type: ignore[no-untyped-def]
-        sched = engine.scheduler
-        waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in [*sched.waiting, *sched.running])
-        return prefill_pb2.PrefillStats(
-            num_waiting_requests=len(sched.waiting),
-            num_running_requests=len(sched.running),
-            num_waiting_tokens=waiting_tokens,
-            max_num_batched_tokens=engine.config.max_num_batched_tokens,
-            num_prompt_tokens=self._num_prompt_tokens,
-        )
+
+def prefill_stats(engine: LLMEngine, num_prompt_tokens: int = 0) -> prefill_pb2.PrefillStats:
+    """Load as the router reads it: queued requests and prompt tokens not yet computed."""
+    sched = engine.scheduler
+    waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in [*sched.waiting, *sched.running])
+    return prefill_pb2.PrefillStats(
+        num_waiting_requests=len(sched.waiting),
+        num_running_requests=len(sched.running),
+        num_waiting_tokens=waiting_tokens,
+        max_num_batched_tokens=engine.config.max_num_batched_tokens,
+        num_prompt_tokens=num_prompt_tokens,
+    )
