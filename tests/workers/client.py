@@ -1,0 +1,65 @@
+"""The Reserve → Prefill → Decode flow over real gRPC, as the gateway drives it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+
+from proto import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from splitserve.grpc_server import channel
+from splitserve.sampling_params import SamplingParams
+from splitserve.wire import FINISH_FROM_PROTO, sampling_params_to_proto
+
+
+@dataclass
+class Result:
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def generate(
+    prefill_address: str, decode_address: str, request_id: str, prompt: list[int], params: SamplingParams
+) -> Result:
+    with channel(prefill_address) as pc, channel(decode_address) as dc:
+        prefill, decode = prefill_pb2_grpc.PrefillStub(pc), decode_pb2_grpc.DecodeStub(dc)
+        reserved = decode.Reserve(
+            decode_pb2.ReserveRequest(request_id=request_id, num_prompt_tokens=len(prompt), timeout_s=30),
+            timeout=30,
+        )
+        assert reserved.accepted, reserved.reject_reason
+        sp = sampling_params_to_proto(params)
+        first = prefill.Prefill(
+            prefill_pb2.PrefillRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt,
+                sampling_params=sp,
+                store_address=reserved.store_address,
+                state_key=reserved.state_key,
+                state_owner=reserved.state_owner,
+            ),
+            timeout=60,
+        )
+        result = Result([first.first_token_id], FINISH_FROM_PROTO[first.finish_reason])
+        if result.finish_reason is not None:
+            decode.Abort(decode_pb2.AbortDecodeRequest(request_id=request_id), timeout=30)
+            return result
+        stream = decode.Decode(
+            decode_pb2.DecodeRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt,
+                sampling_params=sp,
+                first_token_id=first.first_token_id,
+                first_logprobs=first.first_logprobs,
+                state=first.state,
+            ),
+            timeout=60,
+        )
+        for delta in stream:
+            result.token_ids += list(delta.token_ids)
+            result.finish_reason = FINISH_FROM_PROTO[delta.finish_reason]
+        return result
+
+
+def is_status(exc: BaseException, code: grpc.StatusCode) -> bool:
+    return isinstance(exc, grpc.RpcError) and exc.code() == code  # type: ignore[attr-defined]

@@ -1,0 +1,53 @@
+"""Real gRPC servers on 127.0.0.1 for the workers and a state store, in this process (no Ray)."""
+
+from __future__ import annotations
+
+import pytest
+
+from decode_worker.actor import DecodeWorkerActor
+from decode_worker.colocated import ColocatedWorkerActor
+from prefill_worker.actor import PrefillWorkerActor
+from proto import store_pb2_grpc
+from splitserve.engine_config import EngineConfig
+from splitserve.grpc_server import start_server
+from splitserve.tiny_model import make_tiny_model
+from state_store.info import StoreConfig
+from state_store.servicer import StateStoreServicer
+from state_store.store import StateStore
+
+
+@pytest.fixture(scope="session")
+def model_path(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine_config(model_path):
+    return EngineConfig(model=str(model_path), max_model_len=512, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def store_server():
+    store = StateStore.from_config(StoreConfig(memory_bytes=64 << 20))
+    servicer = StateStoreServicer(store)
+    server, address, _ = start_server(
+        lambda s: store_pb2_grpc.add_StateStoreServicer_to_server(servicer, s), "127.0.0.1", 0
+    )
+    yield store, address
+    server.stop(grace=0).wait(5)
+    store.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(engine_config, store_server):
+    """One prefill worker, one decode worker and one colocated worker, all real servers."""
+    _, store_address = store_server
+    workers = {
+        "prefill": PrefillWorkerActor(engine_config, store_address),
+        "decode": DecodeWorkerActor(engine_config, store_address),
+        "colocated": ColocatedWorkerActor(engine_config),
+    }
+    addresses = {name: w.start("127.0.0.1", 0) for name, w in workers.items()}
+    yield workers, addresses
+    for w in workers.values():
+        w.shutdown()

@@ -1,0 +1,66 @@
+"""Prefill and decode workers over real gRPC and a real store give the offline engine's tokens."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from proto import decode_pb2, decode_pb2_grpc, store_pb2, store_pb2_grpc
+from splitserve import LLM, SamplingParams
+from splitserve.grpc_server import channel
+from tests.workers.client import generate
+
+PROMPTS = [[5, 6, 7], list(range(3, 140)), [40] * 20 + list(range(60, 100)), list(range(200, 210))]
+
+
+def _params(i: int) -> SamplingParams:
+    if i % 2:
+        return SamplingParams(temperature=0.8, top_p=0.9, seed=10 + i, max_tokens=10, ignore_eos=True)
+    return SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def offline(engine_config):
+    llm = LLM(model=engine_config.model, max_model_len=512)
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=[_params(i) for i in range(len(PROMPTS))])
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_concurrent_requests_match_the_offline_engine(cluster, offline, mode):
+    _, addr = cluster
+    prefill, decode = (
+        (addr["prefill"], addr["decode"]) if mode == "disaggregated" else (addr["colocated"],) * 2
+    )
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        futures = [
+            pool.submit(generate, prefill, decode, f"{mode}-{i}", p, _params(i))
+            for i, p in enumerate(PROMPTS)
+        ]
+        results = [f.result(timeout=120) for f in futures]
+    assert [r.token_ids for r in results] == offline
+    assert all(r.finish_reason == "length" for r in results)
+
+
+def test_every_resource_is_freed_after_the_requests(cluster, store_server, offline):
+    workers, addr = cluster
+    generate(addr["prefill"], addr["decode"], "free-check", PROMPTS[1], _params(0))
+    for name in ("prefill", "decode"):
+        stats = workers[name].stats()
+        assert stats["num_running"] == stats["num_reserved"] == stats["num_waiting"] == 0
+        assert stats["num_free_kv_blocks"] == stats["num_total_kv_blocks"]
+        assert stats["num_free_state_slots"] == stats["num_total_state_slots"]
+    with channel(store_server[1]) as ch:
+        store_stats = store_pb2_grpc.StateStoreStub(ch).Stats(store_pb2.StatsRequest(), timeout=10)
+    assert store_stats.num_keys == 0
+    assert all(t.num_bytes == 0 for t in store_stats.tiers)
+
+
+def test_decode_without_reservation_is_not_found(cluster):
+    _, addr = cluster
+    with channel(addr["decode"]) as ch, pytest.raises(grpc.RpcError) as err:
+        list(decode_pb2_grpc.DecodeStub(ch).Decode(decode_pb2.DecodeRequest(request_id="ghost"), timeout=10))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "call Reserve first" in err.value.details()
