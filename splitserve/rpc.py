@@ -1,0 +1,100 @@
+"""Shared gRPC plumbing for every splitserve server and client. Torch-free.
+
+One place decides the message limits, how a server binds (port 0 picks a free port and the real
+one comes back), that every server answers the standard `grpc.health.v1` health checks, and how
+channels are opened. State chunks stay under gRPC's 4 MiB default regardless of these limits
+(state_store.chunk.MAX_CHUNK_BYTES), so they also pass peers that keep the default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+MAX_MESSAGE_BYTES = 64 << 20  # large prompts' token ids; state never comes near it
+DEFAULT_MAX_WORKERS = 64  # streaming Gets park a thread each while they wait for state
+
+Options = list[tuple[str, int]]
+
+
+def message_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> Options:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> Options:
+    # SO_REUSEPORT would let two servers share a port and silently split traffic.
+    return [*message_options(max_message_bytes), ("grpc.so_reuseport", 0)]
+
+
+def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> Options:
+    return [
+        *message_options(max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),  # notice a dead peer on an idle stream
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def make_server(
+    max_workers: int = DEFAULT_MAX_WORKERS, max_message_bytes: int = MAX_MESSAGE_BYTES
+) -> grpc.Server:
+    """A not-yet-started synchronous server with splitserve's options."""
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        options=server_options(max_message_bytes),
+    )
+
+
+def format_address(host: str, port: int) -> str:
+    """`host:port`, with an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def bind(server: grpc.Server, host: str, port: int) -> int:
+    """Binds an insecure port (0 = any free one); returns the port bound. Call before `start`."""
+    address = format_address(host, port)
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as e:  # grpcio >= 1.5x raises; older versions returned 0
+        raise OSError(f"could not bind a gRPC server to {address}; is the port in use?") from e
+    if bound == 0:
+        raise OSError(f"could not bind a gRPC server to {address}; is the port in use?")
+    return bound
+
+
+def add_health(server: grpc.Server, service_names: Iterable[str] = ()) -> health.HealthServicer:
+    """Registers `grpc.health.v1.Health`, SERVING for the server ("") and each named service.
+
+    Call `health.enter_graceful_shutdown()` on the result before stopping the server, so load
+    balancers stop sending work first.
+    """
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    for name in ("", *service_names):
+        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return servicer
+
+
+def make_channel(address: str, max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.Channel:
+    """An insecure channel to "host:port" with splitserve's options (connects lazily)."""
+    return grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+
+
+def wait_ready(channel: grpc.Channel, timeout_s: float, address: str = "the server") -> None:
+    """Blocks until `channel` connects; raises TimeoutError naming `address` if it does not."""
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+    except grpc.FutureTimeoutError as e:
+        raise TimeoutError(f"could not connect to {address} within {timeout_s} s; is it running?") from e
+
+
+def check_health(channel: grpc.Channel, service: str = "", timeout_s: float = 5.0) -> bool:
+    """True if the server on `channel` reports `service` SERVING."""
+    stub = health_pb2_grpc.HealthStub(channel)
+    reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
