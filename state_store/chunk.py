@@ -74,13 +74,20 @@ class ChunkMeta:
         problems = [
             (bool(self.key), "key must be a non-empty string"),
             (self.layer >= 0, f"layer must be >= 0 (got {self.layer})"),
-            (self.dtype in DTYPE_ITEMSIZE, f"dtype {self.dtype!r} unknown; use one of {sorted(DTYPE_ITEMSIZE)}"),
+            (
+                self.dtype in DTYPE_ITEMSIZE,
+                f"dtype {self.dtype!r} unknown; use one of {sorted(DTYPE_ITEMSIZE)}",
+            ),
             (all(d >= 0 for d in self.shape), f"shape {self.shape} has a negative dimension"),
-            (0 <= self.token_start <= self.token_end,
-             f"token range [{self.token_start}, {self.token_end}) is not a range"),
-            (0 <= self.chunk_index < self.num_chunks,
-             f"chunk_index {self.chunk_index} is outside [0, num_chunks={self.num_chunks})"),
-        ]  # fmt: skip
+            (
+                0 <= self.token_start <= self.token_end,
+                f"token range [{self.token_start}, {self.token_end}) is not a range",
+            ),
+            (
+                0 <= self.chunk_index < self.num_chunks,
+                f"chunk_index {self.chunk_index} is outside [0, num_chunks={self.num_chunks})",
+            ),
+        ]
         for ok, message in problems:
             if not ok:
                 raise InvalidChunkError(f"chunk of key {self.key!r} layer {self.layer}: {message}")

@@ -38,7 +38,8 @@ def test_renew_and_a_put_with_lease_s_push_the_deadline(clock: FakeClock) -> Non
     clock.advance(4.0)
     assert store.renew("req", 30.0) == pytest.approx(30.0)
     clock.advance(29.0)
-    assert store.lookup("req").lease_remaining_s == pytest.approx(1.0)
+    info = store.lookup("req")
+    assert info is not None and info.lease_remaining_s == pytest.approx(1.0)
     clock.advance(2.0)
     assert store.expire() == 1
     store.close()

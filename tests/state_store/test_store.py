@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from state_store.chunk import DEFAULT_CHUNK_BYTES, StateKind, make_chunks
@@ -12,7 +14,7 @@ from tests.state_store.conftest import FakeClock, make_chunk
 
 
 @pytest.fixture
-def store(clock: FakeClock) -> StateStore:
+def store(clock: FakeClock) -> Iterator[StateStore]:
     made = StateStore(MemoryTier(1 << 24), clock=clock)
     yield made
     made.close()
@@ -102,8 +104,17 @@ def test_make_chunks_splits_rows_under_the_limit_and_reassembles(store: StateSto
 
 def test_make_chunks_refuses_a_row_bigger_than_a_chunk() -> None:
     with pytest.raises(ValueError, match="reshape so dim 0 is finer"):
-        make_chunks("k", 0, "kda_recurrent", bytes(8 * 4096), dtype="float32", shape=(1, 8 * 1024),
-                    token_start=0, token_end=4, max_chunk_bytes=4096)  # fmt: skip
+        make_chunks(
+            "k",
+            0,
+            "kda_recurrent",
+            bytes(8 * 4096),
+            dtype="float32",
+            shape=(1, 8 * 1024),
+            token_start=0,
+            token_end=4,
+            max_chunk_bytes=4096,
+        )
 
 
 def test_closing_the_store_frees_everything(store: StateStore) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import pytest
 
@@ -35,7 +36,7 @@ class Reader(threading.Thread):
 
 
 @pytest.fixture
-def store() -> StateStore:
+def store() -> Iterator[StateStore]:
     made = StateStore(MemoryTier(1 << 20))
     yield made
     made.close()

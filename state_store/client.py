@@ -1,0 +1,147 @@
+"""A Python client of a remote StateStore that speaks the core store's API and errors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from typing import TypeVar
+
+import grpc
+
+from proto import common_pb2, store_pb2, store_pb2_grpc
+from splitserve import rpc
+from state_store import checksum
+from state_store.chunk import Chunk
+from state_store.errors import ERRORS_BY_NAME, StateStoreError, StateUnavailableError
+from state_store.info import KeyInfo, ReleaseResult, StoreStats
+from state_store.servicer import ERROR_TYPE_KEY
+from state_store.wire import (
+    chunk_from_proto,
+    chunk_to_proto,
+    key_info_from_proto,
+    seal_message,
+    stats_from_proto,
+)
+
+T = TypeVar("T")
+
+
+def translate(error: grpc.RpcError) -> Exception:
+    """The store exception a failed RPC stands for (the server names its class), else a
+    `StateStoreError` (or `StateUnavailableError` when the server could not be reached)."""
+    trailing = dict(error.trailing_metadata() or ())  # type: ignore[attr-defined]
+    name = trailing.get(ERROR_TYPE_KEY)
+    details = error.details()  # type: ignore[attr-defined]
+    if name == "ValueError":
+        return ValueError(details)
+    if name in ERRORS_BY_NAME:
+        return ERRORS_BY_NAME[name](details)
+    code = error.code()  # type: ignore[attr-defined]
+    cls = StateUnavailableError if code == grpc.StatusCode.UNAVAILABLE else StateStoreError
+    return cls(f"state store RPC failed: {code.name}: {details}")
+
+
+class StateStoreClient:
+    """One channel to one store server. Methods mirror `StateStore`'s and raise its errors.
+
+    Owns the channel (`close`, or use as a context manager). Thread-safe: gRPC channels and stubs
+    are. Unary calls take `timeout_s`; `put` and `get` stream without a deadline of their own.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float = 30.0,
+        max_message_bytes: int = rpc.MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = rpc.make_channel(address, max_message_bytes)
+        self._stub = store_pb2_grpc.StateStoreStub(self._channel)
+
+    def put(
+        self, chunks: Iterable[Chunk], *, owner: str, lease_s: float | None = None, seal: bool = False
+    ) -> tuple[int, int]:
+        """Streams `chunks` in one Put (then seals their key if `seal`); returns (chunks, bytes)."""
+
+        def messages() -> Iterator[common_pb2.StateChunk]:
+            key = None
+            for chunk in chunks:
+                key = chunk.meta.key
+                yield chunk_to_proto(chunk, owner=owner, lease_s=lease_s or 0.0)
+            if seal and key is not None:
+                yield seal_message(key, owner)
+
+        reply = self._call(lambda: self._stub.Put(messages()))
+        return reply.num_chunks, reply.num_bytes
+
+    def seal(self, key: str, *, owner: str) -> None:
+        self._call(lambda: self._stub.Put(iter([seal_message(key, owner)]), timeout=self.timeout_s))
+
+    def get(
+        self, key: str, *, layers: Collection[int] | None = None, timeout_s: float | None = None
+    ) -> Iterator[Chunk]:
+        """Streams `key`'s chunks as they land, until it is sealed; checksums are checked here too."""
+        request = store_pb2.GetRequest(key=key, layers=list(layers or ()), timeout_s=timeout_s or 0.0)
+        stream = self._stub.Get(request)
+        try:
+            for msg in stream:
+                chunk = chunk_from_proto(msg)
+                checksum.verify(chunk.data, chunk.meta.checksum, f"{chunk.meta.describe()} as received")
+                yield chunk
+        except grpc.RpcError as e:
+            raise translate(e) from None
+        finally:
+            stream.cancel()  # no-op once finished; frees the server's thread if we stop early
+
+    def lookup(self, key: str) -> KeyInfo | None:
+        reply = self._call(
+            lambda: self._stub.Lookup(store_pb2.LookupRequest(key=key), timeout=self.timeout_s)
+        )
+        return key_info_from_proto(reply)
+
+    def longest_match(self, hash_chain: Sequence[bytes]) -> tuple[int, str | None]:
+        prefix = store_pb2.PrefixHashes(hashes=list(hash_chain))
+        reply = self._call(
+            lambda: self._stub.Lookup(store_pb2.LookupRequest(prefix=prefix), timeout=self.timeout_s)
+        )
+        return (reply.num_units, reply.key) if reply.found else (0, None)
+
+    def register(self, hash_chain: Sequence[bytes], key: str) -> None:
+        request = store_pb2.RegisterRequest(key=key, prefix=store_pb2.PrefixHashes(hashes=list(hash_chain)))
+        self._call(lambda: self._stub.Register(request, timeout=self.timeout_s))
+
+    def renew(self, key: str, lease_s: float) -> float:
+        """Extends `key`'s lease; returns its expiry as unix time."""
+        request = store_pb2.RenewRequest(key=key, lease_s=lease_s)
+        return self._call(lambda: self._stub.Renew(request, timeout=self.timeout_s)).lease_expiry_unix_s
+
+    def release(self, key: str | None = None, *, owner: str | None = None) -> ReleaseResult:
+        if (key is None) == (owner is None):
+            raise ValueError("release takes exactly one of key= or owner=")
+        request = (
+            store_pb2.ReleaseRequest(key=key) if key is not None else store_pb2.ReleaseRequest(owner=owner)
+        )
+        reply = self._call(lambda: self._stub.Release(request, timeout=self.timeout_s))
+        return ReleaseResult(reply.num_keys, reply.num_bytes)
+
+    def stats(self) -> StoreStats:
+        return stats_from_proto(
+            self._call(lambda: self._stub.Stats(store_pb2.StatsRequest(), timeout=self.timeout_s))
+        )
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> StateStoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def _call(fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except grpc.RpcError as e:
+            raise translate(e) from None

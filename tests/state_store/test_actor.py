@@ -1,0 +1,49 @@
+"""One StateStoreActor per node: get-or-create by name, its gRPC address works, shutdown frees all."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+
+from state_store.actor import get_or_create_store_actor, store_actor_name
+from state_store.client import StateStoreClient
+from state_store.errors import StateUnavailableError
+from state_store.info import StoreConfig
+from tests.state_store.conftest import make_chunk
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_the_node_store_is_created_once_and_serves_grpc(
+    ray_cluster: None, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    disk = tmp_path_factory.mktemp("store-disk")
+    config = StoreConfig(memory_bytes=1 << 20, disk_path=str(disk), disk_bytes=8 << 20)
+    handle, address = get_or_create_store_actor(config, host="127.0.0.1")
+    try:
+        _, same_address = get_or_create_store_actor(StoreConfig(memory_bytes=1), host="127.0.0.1")
+        assert same_address == address  # the second caller got the first actor, not a new one
+        node_id = ray.get_runtime_context().get_node_id()
+        assert ray.get_actor(store_actor_name(node_id)) is not None
+        with StateStoreClient(address) as client:
+            chunks = [make_chunk("req", layer, size=300_000) for layer in range(6)]  # spills past 1 MiB
+            client.put(chunks, owner="prefill-0", seal=True)
+            assert [c.data for c in client.get("req")] == [c.data for c in chunks]
+        stats: dict[str, Any] = ray.get(handle.stats.remote())  # type: ignore[assignment]
+        assert stats["num_keys"] == 1 and stats["num_spills"] > 0
+        assert sum(t["num_bytes"] for t in stats["tiers"]) == 6 * 300_000
+        assert any(disk.iterdir())
+    finally:
+        ray.get(handle.shutdown.remote())
+        ray.kill(handle)
+    assert not any(disk.iterdir())  # shutdown deleted the disk tier's files
+    with StateStoreClient(address, timeout_s=5.0) as client, pytest.raises(StateUnavailableError):
+        client.stats()  # and stopped serving
