@@ -56,7 +56,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             )
         key = f"{self.worker_id}/{rid}"
         timeout_s = request.timeout_s or self.state_timeout_s
-        reader = StateReader(self.loop, self.store, rid, key, self.num_states, timeout_s)
+        reader = StateReader(self.loop, self.store, rid, key, self.num_states, timeout_s, self._free_room)
         with self._lock:
             self._readers[rid] = reader
         lapse = threading.Timer(2 * timeout_s, self._lapse, args=(rid, reader))
@@ -132,6 +132,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             yield delta
             if update.finished:
                 return
+
+    def _free_room(self, reader: StateReader) -> None:
+        """The state will never arrive whole: free the room now; Decode still reports why."""
+        self._abort_engine(reader.request_id)
+        self._release(reader.key)
 
     def _lapse(self, rid: str, reader: StateReader) -> None:
         """No Decode came for a reservation in time: give its room and its state back."""

@@ -11,13 +11,14 @@ import functools
 import itertools
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 
 from proto import store_pb2, store_pb2_grpc
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.engine.state_codec import decode
+from splitserve.engine.state_codec import CorruptStateError, decode
 
 
 class StateReader:
@@ -31,6 +32,7 @@ class StateReader:
         key: str,
         num_states: int,
         timeout_s: float,
+        on_failure: Callable[[StateReader], None] | None = None,
     ) -> None:
         self.loop, self.stub, self.request_id, self.key = loop, stub, request_id, key
         self.num_states = num_states
@@ -43,6 +45,7 @@ class StateReader:
         self._done = threading.Event()
         self._call: grpc.Future | None = None
         self._cancelled = False
+        self._on_failure = on_failure
         threading.Thread(target=self._pull, name=f"state-reader-{request_id}", daemon=True).start()
 
     def wait(self, timeout_s: float) -> None:
@@ -95,11 +98,18 @@ class StateReader:
                 raise RuntimeError(
                     f"state of {self.request_id} ended after {self.num_received} of {self.num_states} layer states"
                 )
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DATA_LOSS:  # type: ignore[attr-defined]
+                self.error = CorruptStateError(f"the store refused corrupt state: {exc.details()}")  # type: ignore[attr-defined]
+            else:
+                self.error = exc if not self._cancelled else RuntimeError("state transfer cancelled")
         except BaseException as exc:
             self.error = exc if not self._cancelled else RuntimeError("state transfer cancelled")
         finally:
             self.done_at = time.time()
             self._done.set()
+            if self.error is not None and self._on_failure is not None:
+                self._on_failure(self)
 
     def _count(self, stream):  # type: ignore[no-untyped-def]
         for chunk in stream:

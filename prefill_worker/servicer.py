@@ -76,12 +76,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         put_started = time.time()
         try:
             writer.finish(timeout_s=30.0)
-        except grpc.RpcError as exc:
-            abort(
-                context,
-                grpc.StatusCode.UNAVAILABLE,
-                f"writing state to {request.store_address} failed: {exc}",
-            )
+        except grpc.RpcError as exc:  # the store's own status (DATA_LOSS, RESOURCE_EXHAUSTED...) travels on
+            code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNAVAILABLE
+            abort(context, code, f"writing state to {request.store_address} failed: {exc.details()}")  # type: ignore[attr-defined]
         put_s = time.time() - put_started
         req = update.request
         self._num_prompt_tokens += req.num_prompt_tokens

@@ -29,17 +29,21 @@ def generate(
         )
         assert reserved.accepted, reserved.reject_reason
         sp = sampling_params_to_proto(params)
-        first = prefill.Prefill(
-            prefill_pb2.PrefillRequest(
-                request_id=request_id,
-                prompt_token_ids=prompt,
-                sampling_params=sp,
-                store_address=reserved.store_address,
-                state_key=reserved.state_key,
-                state_owner=reserved.state_owner,
-            ),
-            timeout=60,
+        request = prefill_pb2.PrefillRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling_params=sp,
+            store_address=reserved.store_address,
+            state_key=reserved.state_key,
+            state_owner=reserved.state_owner,
         )
+        try:
+            first = prefill.Prefill(request, timeout=60)
+        except grpc.RpcError:
+            decode.Abort(
+                decode_pb2.AbortDecodeRequest(request_id=request_id), timeout=30
+            )  # as the gateway does
+            raise
         result = Result([first.first_token_id], FINISH_FROM_PROTO[first.finish_reason])
         if result.finish_reason is not None:
             decode.Abort(decode_pb2.AbortDecodeRequest(request_id=request_id), timeout=30)
@@ -59,7 +63,3 @@ def generate(
             result.token_ids += list(delta.token_ids)
             result.finish_reason = FINISH_FROM_PROTO[delta.finish_reason]
         return result
-
-
-def is_status(exc: BaseException, code: grpc.StatusCode) -> bool:
-    return isinstance(exc, grpc.RpcError) and exc.code() == code  # type: ignore[attr-defined]

@@ -64,3 +64,28 @@ def test_decode_without_reservation_is_not_found(cluster):
         list(decode_pb2_grpc.DecodeStub(ch).Decode(decode_pb2.DecodeRequest(request_id="ghost"), timeout=10))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert "call Reserve first" in err.value.details()
+
+
+def test_corrupted_state_fails_the_request_clearly_and_frees_it(cluster, store_server, monkeypatch):
+    """Fault injection: the store's tier hands back one flipped byte for this request's state."""
+    store, _ = store_server
+    workers, addr = cluster
+    fetch = store._tiers.fetch
+
+    def corrupting_fetch(cid):
+        data = fetch(cid)
+        if data and "corrupt-me" in repr(cid):
+            data = bytes([data[0] ^ 0xFF]) + data[1:]
+        return data
+
+    monkeypatch.setattr(store._tiers, "fetch", corrupting_fetch)
+    with pytest.raises(grpc.RpcError) as err:
+        generate(addr["prefill"], addr["decode"], "corrupt-me", PROMPTS[1], _params(0))
+    # whichever side meets the damage first (the decode's read, or the prefill's next write into
+    # the key the store dropped) ends the request with DATA_LOSS and says why
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS
+    assert "corrupt" in err.value.details() or "damaged" in err.value.details()
+    stats = workers["decode"].stats()
+    assert stats["num_running"] == stats["num_reserved"] == 0
+    assert stats["num_free_kv_blocks"] == stats["num_total_kv_blocks"]
+    assert stats["num_free_state_slots"] == stats["num_total_state_slots"]
