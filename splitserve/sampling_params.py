@@ -15,7 +15,7 @@ _MAX_LOGPROBS = 20
 class SamplingParams:
     """How one request picks its tokens and when it stops.
 
-    Greedy when `temperature == 0`. `top_k` of 0 or -1 means no top-k cut. `seed` makes the
+    Greedy when `temperature` is below 1e-5 (vLLM's rule; 0 is the usual spelling). `top_k` of 0 or -1 means no top-k cut. `seed` makes the
     request's draws depend only on the seed and the position of the token in the output, never
     on what else shares the batch or on which worker runs the step. Validation runs at
     construction: an out-of-range value raises `ValueError` naming the field and the range.
@@ -90,7 +90,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < 1e-5
 
     def replace(self, **changes: object) -> SamplingParams:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
