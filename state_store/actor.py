@@ -19,38 +19,56 @@ def store_actor_name(node_id: str) -> str:
     return f"{ACTOR_NAME_PREFIX}{node_id}"
 
 
-@ray.remote(num_cpus=0)
 class StateStoreActor:
-    """One node's state store: owns the core `StateStore` and its gRPC server, for its lifetime.
+    """One node's state store: owns the core `StateStore` and, once started, its gRPC server.
 
-    Binds `host:port` (port 0 picks a free port). Without a host it binds all interfaces and
-    advertises the node's IP. The data path is gRPC (`address()`); this actor is only the
-    control plane: address, stats, shutdown. Torch-free. `shutdown` stops the server and frees
-    every stored byte (the disk tier's files too); call it before `ray.kill`.
+    A plain class like the worker actors: the controller (or `get_or_create_store_actor`) applies
+    `ray.remote(...)` with its resources, and tests may run it in-process. The data path is gRPC
+    (`start` returns "host:port"); the actor is only the control plane: start, address, health,
+    stats, shutdown. Torch-free. `shutdown` stops the server and frees every stored byte (the
+    disk tier's files too); call it before `ray.kill`.
     """
 
-    def __init__(self, config: StoreConfig | None = None, host: str | None = None, port: int = 0) -> None:
-        self._store = StateStore.from_config(config or StoreConfig())
-        advertise = host or ray.util.get_node_ip_address()
-        self._server: StateStoreServer | None = StateStoreServer(
-            self._store, host or "0.0.0.0", port, advertise_host=advertise
-        )
-        self._address = self._server.address
+    def __init__(
+        self,
+        memory_bytes: int = StoreConfig.memory_bytes,
+        disk_path: str | None = None,
+        disk_bytes: int = 0,
+        lease_s: float = StoreConfig.default_lease_s,
+    ) -> None:
+        if not disk_bytes:
+            disk_path = None  # a disk tier of 0 bytes is no disk tier
+        self.config = StoreConfig(memory_bytes, disk_path, disk_bytes, lease_s)
+        self._store = StateStore.from_config(self.config)
+        self._server: StateStoreServer | None = None
 
-    def address(self) -> str:
-        """host:port of the StateStore gRPC service."""
-        return self._address
+    def start(self, host: str | None = None, port: int = 0) -> str:
+        """Serves on host:port (port 0 = any free one); returns the address to give clients.
+
+        Without a host it binds every interface and advertises the node's IP. Idempotent.
+        """
+        if self._server is None:
+            advertise = host or ray.util.get_node_ip_address()
+            self._server = StateStoreServer(self._store, host or "0.0.0.0", port, advertise_host=advertise)
+        return self._server.address
+
+    def address(self) -> str | None:
+        """host:port of the StateStore gRPC service, or None before `start`."""
+        return self._server.address if self._server is not None else None
+
+    def health(self) -> bool:
+        return self._server is not None
 
     def stats(self) -> dict[str, Any]:
-        """The store's `StoreStats`, as a plain dict (tiers as a list of dicts)."""
-        return dataclasses.asdict(self._store.stats())
+        """The store's `StoreStats` as a plain dict (tiers as a list of dicts), plus its address."""
+        return {"role": "store", "address": self.address(), **dataclasses.asdict(self._store.stats())}
 
     def shutdown(self) -> None:
         """Stops serving and frees everything. Idempotent."""
         if self._server is not None:
             self._server.stop()
             self._server = None
-            self._store.close()
+        self._store.close()
 
 
 def get_or_create_store_actor(
@@ -61,22 +79,28 @@ def get_or_create_store_actor(
     node_id: str | None = None,
     namespace: str | None = None,
     detached: bool = False,
+    num_cpus: float = 0,
 ) -> tuple[ray.actor.ActorHandle, str]:
-    """The store actor of `node_id` (default: the caller's node) and its gRPC address.
+    """The store actor of `node_id` (default: the caller's node), started, and its gRPC address.
 
     Named `splitserve-store-<node_id>` and pinned to that node, so every caller on a node shares
     one store; the first call creates it with `config`, later calls get it (their config is
     ignored). `detached` keeps it alive after the creating job ends.
     """
+    config = config or StoreConfig()
     node_id = node_id or ray.get_runtime_context().get_node_id()
     options: dict[str, Any] = {
         "name": store_actor_name(node_id),
         "get_if_exists": True,
+        "num_cpus": num_cpus,
         "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
     }
     if namespace is not None:
         options["namespace"] = namespace
     if detached:
         options["lifetime"] = "detached"
-    handle = StateStoreActor.options(**options).remote(config, host, port)  # type: ignore[attr-defined]
-    return handle, ray.get(handle.address.remote())
+    remote_class: Any = ray.remote(StateStoreActor)
+    handle = remote_class.options(**options).remote(
+        config.memory_bytes, config.disk_path, config.disk_bytes, config.default_lease_s
+    )
+    return handle, ray.get(handle.start.remote(host, port))

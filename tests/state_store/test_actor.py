@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import ray
 
-from state_store.actor import get_or_create_store_actor, store_actor_name
+from state_store.actor import StateStoreActor, get_or_create_store_actor, store_actor_name
 from state_store.client import StateStoreClient
 from state_store.errors import StateUnavailableError
 from state_store.info import StoreConfig
@@ -37,8 +37,9 @@ def test_the_node_store_is_created_once_and_serves_grpc(
             chunks = [make_chunk("req", layer, size=300_000) for layer in range(6)]  # spills past 1 MiB
             client.put(chunks, owner="prefill-0", seal=True)
             assert [c.data for c in client.get("req")] == [c.data for c in chunks]
-        stats: dict[str, Any] = ray.get(handle.stats.remote())  # type: ignore[assignment]
-        assert stats["num_keys"] == 1 and stats["num_spills"] > 0
+        assert ray.get(handle.health.remote()) is True
+        stats: dict[str, Any] = ray.get(handle.stats.remote())
+        assert stats["address"] == address and stats["num_keys"] == 1 and stats["num_spills"] > 0
         assert sum(t["num_bytes"] for t in stats["tiers"]) == 6 * 300_000
         assert any(disk.iterdir())
     finally:
@@ -47,3 +48,18 @@ def test_the_node_store_is_created_once_and_serves_grpc(
     assert not any(disk.iterdir())  # shutdown deleted the disk tier's files
     with StateStoreClient(address, timeout_s=5.0) as client, pytest.raises(StateUnavailableError):
         client.stats()  # and stopped serving
+
+
+def test_the_actor_class_runs_in_process_too(tmp_path_factory: pytest.TempPathFactory) -> None:
+    actor = StateStoreActor(1 << 20, str(tmp_path_factory.mktemp("disk")), 0, 5.0)  # 0 disk bytes: no disk
+    assert not actor.health() and actor.address() is None
+    address = actor.start("127.0.0.1", 0)
+    try:
+        assert actor.health() and actor.start("127.0.0.1", 0) == address
+        assert [t["name"] for t in actor.stats()["tiers"]] == ["memory"]
+        with StateStoreClient(address) as client:
+            client.put([make_chunk("req")], owner="w", seal=True)
+            assert actor.stats()["num_keys"] == 1
+    finally:
+        actor.shutdown()
+    assert not actor.health() and actor.stats()["num_keys"] == 0
