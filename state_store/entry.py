@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 
 from state_store.chunk import ChunkId, ChunkMeta
-from state_store.errors import StateStoreError
+from state_store.errors import StateStoreError, StateTimeoutError
 
 Gone = tuple[type[StateStoreError], str]
 
@@ -42,3 +45,48 @@ class Entry:
         if self.gone is not None:
             cls, why = self.gone
             raise cls(why)
+
+    def wait_for_chunk(
+        self,
+        position: int,
+        deadline: float | None,
+        cancel: threading.Event | None,
+        on_wake: Callable[[], object],
+    ) -> bool:
+        """Waits (lock held) until chunk number `position` exists or the key is sealed.
+
+        False if `cancel` got set; raises the key's error if it went away, `StateTimeoutError` at
+        `deadline` (time.monotonic). `on_wake` runs after each wake-up (the store expires leases).
+        """
+        while position >= len(self.order) and not self.sealed:
+            if cancel is not None and cancel.is_set():
+                return False
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise StateTimeoutError(
+                    f"key {self.key!r} was not sealed in time ({position} chunks arrived); "
+                    "is its writer still running?"
+                )
+            self.cond.wait(remaining)
+            if self.gone is None:
+                on_wake()
+            self.raise_if_gone()
+        return True
+
+
+class Tombstones:
+    """Why recently gone keys went (bounded, oldest forgotten first), so late callers learn why."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._gone: OrderedDict[str, Gone] = OrderedDict()
+
+    def add(self, key: str, gone: Gone) -> None:
+        self._gone[key] = gone
+        while len(self._gone) > self.capacity:
+            self._gone.popitem(last=False)
+
+    def raise_if_gone(self, key: str, suffix: str = "") -> None:
+        if key in self._gone:
+            cls, why = self._gone[key]
+            raise cls(why + suffix)

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
 
 from state_store import checksum
 from state_store.chunk import MAX_CHUNK_BYTES, Chunk, ChunkMeta
 from state_store.disk_tier import DiskTier
-from state_store.entry import Entry, Gone
+from state_store.entry import Entry, Tombstones
 from state_store.errors import (
     CorruptStateError,
     InvalidChunkError,
@@ -21,7 +20,6 @@ from state_store.errors import (
     StateNotFoundError,
     StateReleasedError,
     StateStoreError,
-    StateTimeoutError,
     StoreFullError,
 )
 from state_store.info import KeyInfo, ReleaseResult, StoreConfig, StoreStats
@@ -65,8 +63,7 @@ class StateStore:
         self._entries: dict[str, Entry] = {}
         self._leases = LeaseTable(clock)
         self._prefixes = PrefixIndex()
-        self._tombstones: OrderedDict[str, Gone] = OrderedDict()
-        self._num_tombstones = num_tombstones
+        self._tombstones = Tombstones(num_tombstones)
         self._stats = StoreStats()
         self._closed = False
 
@@ -146,27 +143,15 @@ class StateStore:
         `wake(key)` after setting it). Raises `StateTimeoutError` if the key is not sealed within
         `timeout_s` (real seconds), and the key's error if it goes away meanwhile.
         """
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s  # real time, not leases'
         wanted = None if layers is None else set(layers)
         position = 0
         while True:
             with self._lock:
                 self._expire_locked()
                 entry = self._live_locked(key)
-                while position >= len(entry.order) and not entry.sealed:
-                    if cancel is not None and cancel.is_set():
-                        return
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        raise StateTimeoutError(
-                            f"key {key!r} was not sealed within {timeout_s} s ({position} chunks "
-                            "arrived); is its writer still running?"
-                        )
-                    entry.cond.wait(remaining)
-                    if entry.gone is None:
-                        self._expire_locked()
-                    if entry.gone is not None:
-                        entry.raise_if_gone()
+                if not entry.wait_for_chunk(position, deadline, cancel, on_wake=self._expire_locked):
+                    return
                 if position >= len(entry.order):
                     return
                 meta = entry.metas[entry.order[position]]
@@ -287,9 +272,7 @@ class StateStore:
     def _writable_locked(self, key: str, owner: str, lease_s: float | None) -> Entry:
         entry = self._entries.get(key)
         if entry is None:
-            if key in self._tombstones:
-                cls, why = self._tombstones[key]
-                raise cls(f"{why}; a gone key is never written again")
+            self._tombstones.raise_if_gone(key, "; a gone key is never written again")
             self._leases.grant(key, owner, lease_s or self.default_lease_s)
             entry = self._entries[key] = Entry(key, owner, self._lock)
             return entry
@@ -306,9 +289,7 @@ class StateStore:
         if entry is not None:
             return entry
         self._stats.num_misses += 1
-        if key in self._tombstones:
-            cls, why = self._tombstones[key]
-            raise cls(why)
+        self._tombstones.raise_if_gone(key)
         raise StateNotFoundError(
             f"no state under key {key!r} in this store; was it put here (check the handle's store_address)?"
         )
@@ -346,9 +327,8 @@ class StateStore:
         del self._entries[entry.key]
         self._leases.drop(entry.key)
         self._prefixes.forget(entry.key)
-        self._tombstones[entry.key] = entry.gone = (cls, why)
-        while len(self._tombstones) > self._num_tombstones:
-            self._tombstones.popitem(last=False)
+        self._tombstones.add(entry.key, (cls, why))
+        entry.gone = (cls, why)
         entry.cond.notify_all()
         return entry.num_bytes
 
