@@ -89,3 +89,66 @@ def test_corrupted_state_fails_the_request_clearly_and_frees_it(cluster, store_s
     assert stats["num_running"] == stats["num_reserved"] == 0
     assert stats["num_free_kv_blocks"] == stats["num_total_kv_blocks"]
     assert stats["num_free_state_slots"] == stats["num_total_state_slots"]
+
+
+def _wait_until(condition, timeout_s: float = 30.0) -> bool:
+    """Poll an observable condition until it holds or the deadline passes (no fixed sleeps)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_client_that_disconnects_mid_stream_frees_everything(cluster, store_server, mode):
+    from proto import prefill_pb2, prefill_pb2_grpc
+    from splitserve.wire import sampling_params_to_proto
+
+    workers, addr = cluster
+    prefill_addr, decode_addr = (
+        (addr["prefill"], addr["decode"]) if mode == "disaggregated" else (addr["colocated"],) * 2
+    )
+    decoder = workers["decode" if mode == "disaggregated" else "colocated"]
+    params = sampling_params_to_proto(SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    prompt = PROMPTS[2]
+    with channel(prefill_addr) as pc, channel(decode_addr) as dc:
+        decode = decode_pb2_grpc.DecodeStub(dc)
+        reserved = decode.Reserve(
+            decode_pb2.ReserveRequest(request_id=f"gone-{mode}", num_prompt_tokens=len(prompt))
+        )
+        first = prefill_pb2_grpc.PrefillStub(pc).Prefill(
+            prefill_pb2.PrefillRequest(
+                request_id=f"gone-{mode}",
+                prompt_token_ids=prompt,
+                sampling_params=params,
+                store_address=reserved.store_address,
+                state_key=reserved.state_key,
+                state_owner=reserved.state_owner,
+            ),
+            timeout=60,
+        )
+        stream = decode.Decode(
+            decode_pb2.DecodeRequest(
+                request_id=f"gone-{mode}",
+                prompt_token_ids=prompt,
+                sampling_params=params,
+                first_token_id=first.first_token_id,
+                state=first.state,
+            )
+        )
+        next(stream)
+        assert decoder.stats()["num_running"] == 1
+        stream.cancel()  # the client goes away
+
+    def freed() -> bool:
+        s = decoder.stats()
+        return (
+            s["num_running"] == s["num_reserved"] == 0 and s["num_free_kv_blocks"] == s["num_total_kv_blocks"]
+        )
+
+    assert _wait_until(freed), decoder.stats()
+    assert store_server[0].stats().num_keys == 0
