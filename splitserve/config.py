@@ -1,0 +1,357 @@
+"""The cluster config: one YAML file, validated at load, frozen afterwards.
+
+`load_config(path)` reads a file into a `ClusterConfig` or raises one `ConfigError` that names the
+file, each offending key (as a dotted path) and what is wrong with it. `default_config()` is the
+embedded default (the same as `deploy/configs/default.yaml`): the tiny model on one machine's
+CPUs. `ClusterConfig.engine_config(pool)` derives one pool's `EngineConfig`.
+
+Torch-free: the model path of the default is only resolved (and the tiny model built) when a
+caller asks for it through `ModelConfig.resolved_path()`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from splitserve.engine_config import EngineConfig
+
+__all__ = [
+    "ClusterConfig",
+    "ConfigError",
+    "default_config",
+    "format_bytes",
+    "load_config",
+    "parse_bytes",
+]
+
+DEFAULT_MODEL_NAME = "tiny-kimi-linear"  # the folder name of splitserve.default_model's model
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be served: the message names the file, the key and the fix."""
+
+
+def parse_bytes(value: object) -> int:
+    """Parse a byte size: an int, or a string like "2GiB", "512MiB", "1.5GB", "4096"."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a byte size")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"a byte size cannot be negative (got {value})")
+        return value
+    if isinstance(value, str):
+        match = _BYTES_RE.match(value)
+        unit = match.group(2).lower() if match else ""
+        if match and unit in _UNITS:
+            try:
+                amount = Decimal(match.group(1)) * _UNITS[unit]
+            except InvalidOperation:  # pragma: no cover - the regex admits only decimals
+                amount = Decimal("NaN")
+            if amount == amount.to_integral_value():
+                return int(amount)
+            raise ValueError(f"{value!r} is not a whole number of bytes")
+    raise ValueError(
+        f"{value!r} is not a byte size; write an integer or a number with a unit "
+        "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 2GiB, 512MiB, 1.5GB"
+    )
+
+
+def format_bytes(num_bytes: int) -> str | int:
+    """The shortest exact binary-unit spelling ("2GiB"), or the int itself where none is exact."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= size and num_bytes % size == 0:
+            return f"{num_bytes // size}{unit}"
+    return num_bytes
+
+
+# An int in Python; written back as "2GiB" when dumped to YAML/JSON, so files round-trip.
+ByteSize = Annotated[int, BeforeValidator(parse_bytes), PlainSerializer(format_bytes, when_used="json")]
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelConfig(_Section):
+    """Which checkpoint every pool serves (one model for the whole cluster, so pools agree)."""
+
+    path: str | None = None  # None: the embedded tiny model (built on first use)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    name: str | None = None  # the served model name; default: the checkpoint's folder name
+    max_model_len: int | None = Field(default=None, ge=2)
+
+    def resolved_path(self) -> str:
+        """The checkpoint folder; for the default this builds the tiny model if it is missing."""
+        if self.path is None:
+            from splitserve.default_model import default_model_path
+
+            return str(default_model_path())
+        return str(Path(self.path).expanduser())
+
+    @property
+    def served_name(self) -> str:
+        if self.name:
+            return self.name
+        if self.path is None:
+            return DEFAULT_MODEL_NAME
+        return Path(self.path).expanduser().name or self.path
+
+
+class GatewayConfig(_Section):
+    """The OpenAI-compatible HTTP frontend (GPU-less, one per cluster, on the head node)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)  # 0: any free port
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    num_cpus: float = Field(default=0.25, ge=0)
+
+
+class PoolConfig(_Section):
+    """One worker pool: how many replicas, what each reserves from Ray, and its engine knobs.
+
+    The replicas of a pool share one Ray placement group per resize step, with `placement` as
+    its strategy (PACK: fill nodes in turn; STRICT_SPREAD: one replica per node).
+    """
+
+    replicas: int = Field(default=1, ge=0)
+    num_cpus: float = Field(default=1, gt=0)
+    num_gpus: float = Field(default=0, ge=0)
+    tensor_parallel: int = Field(default=1, ge=1)
+    placement: PlacementStrategy = "PACK"
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    max_num_seqs: int = Field(default=64, ge=1)
+    kv_cache_memory_bytes: ByteSize = 256 * 2**20
+    block_size: int = Field(default=16, ge=1)
+
+    @field_validator("tensor_parallel")
+    @classmethod
+    def _single_rank(cls, value: int) -> int:
+        if value > 1:
+            raise ValueError(
+                f"tensor_parallel > 1 is not supported yet (got {value}); scale out with replicas"
+            )
+        return value
+
+
+class DiskConfig(_Section):
+    """The store's disk tier; `path: null` turns it off."""
+
+    path: str | None = "/tmp/splitserve-store"
+    bytes: ByteSize = 20 * 2**30
+
+
+class StoreConfig(_Section):
+    """The state store: one actor per node that hosts a worker (host RAM first, then disk)."""
+
+    memory_bytes: ByteSize = 2 * 2**30
+    disk: DiskConfig = DiskConfig()
+    lease_s: float = Field(default=60, gt=0)
+    num_cpus: float = Field(default=0.25, ge=0)
+
+
+class CacheConfig(_Section):
+    """Prefix caching: the paged block, the prefix-match unit and where KDA states are kept."""
+
+    block_size: int = Field(default=16, ge=1)
+    prefix_unit: int = Field(default=64, ge=1)
+    retention_interval: int = Field(default=1024, ge=1)
+    selective_retention: bool = True
+
+
+class HealthConfig(_Section):
+    """How the controller watches its actors: a `health()` call every `interval_s`, each
+    allowed `timeout_s`; a dead or failing actor is restarted at most `max_restarts` times.
+    `start_timeout_s` bounds an actor's `start()` (which loads the model)."""
+
+    interval_s: float = Field(default=5, gt=0)
+    timeout_s: float = Field(default=10, gt=0)
+    max_restarts: int = Field(default=3, ge=0)
+    start_timeout_s: float = Field(default=300, gt=0)
+
+
+class ClusterConfig(_Section):
+    """A whole deployment. Frozen; the cross-checks below run at construction.
+
+    In `colocated` mode every `prefill` replica also decodes (one worker runs both phases), so
+    the `decode` section must be absent or say `replicas: 0`.
+    """
+
+    model: ModelConfig = ModelConfig()
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    gateway: GatewayConfig = GatewayConfig()
+    prefill: PoolConfig = PoolConfig()
+    decode: PoolConfig = PoolConfig()
+    store: StoreConfig = StoreConfig()
+    cache: CacheConfig = CacheConfig()
+    health: HealthConfig = HealthConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _colocated_has_no_decode_pool(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("mode") == "colocated" and data.get("decode") is None:
+            data = {**data, "decode": {"replicas": 0}}
+        return data
+
+    @model_validator(mode="after")
+    def _cross_check(self) -> ClusterConfig:
+        if self.mode == "colocated" and self.decode.replicas != 0:
+            raise ValueError(
+                f"decode.replicas: colocated mode runs both phases in each prefill replica, so "
+                f"there is no decode pool; remove the decode section or set decode.replicas: 0 "
+                f"(got {self.decode.replicas})"
+            )
+        for name in self.pool_names:
+            pool: PoolConfig = getattr(self, name)
+            if pool.replicas < 1:
+                raise ValueError(f"{name}.replicas: must be at least 1 (got {pool.replicas})")
+            if pool.block_size != self.cache.block_size:
+                raise ValueError(
+                    f"{name}.block_size ({pool.block_size}) must equal cache.block_size "
+                    f"({self.cache.block_size}): the pools exchange KV in whole blocks"
+                )
+        cache = self.cache
+        if cache.prefix_unit % cache.block_size:
+            raise ValueError(
+                f"cache.prefix_unit ({cache.prefix_unit}) must be a multiple of cache.block_size "
+                f"({cache.block_size})"
+            )
+        if cache.retention_interval % cache.prefix_unit:
+            raise ValueError(
+                f"cache.retention_interval ({cache.retention_interval}) must be a multiple of "
+                f"cache.prefix_unit ({cache.prefix_unit}): states kept elsewhere could never be hit"
+            )
+        return self
+
+    @property
+    def pool_names(self) -> tuple[str, ...]:
+        """The pools that run: ("prefill", "decode"), or ("prefill",) in colocated mode."""
+        return ("prefill",) if self.mode == "colocated" else ("prefill", "decode")
+
+    def pool_role(self, pool: str) -> str:
+        """What the pool's workers do: "prefill", "decode" or (colocated mode) "colocated"."""
+        self._check_pool(pool)
+        return "colocated" if self.mode == "colocated" else pool
+
+    def pool(self, pool: str) -> PoolConfig:
+        self._check_pool(pool)
+        return getattr(self, pool)  # type: ignore[no-any-return]
+
+    def engine_config(self, pool: str, *, model_path: str | None = None) -> EngineConfig:
+        """The engine knobs of one pool's workers. `model_path` skips resolving the model again."""
+        section = self.pool(pool)
+        role = self.pool_role(pool)
+        on_gpu = section.num_gpus > 0
+        return EngineConfig(
+            model=model_path if model_path is not None else self.model.resolved_path(),
+            dtype=self.model.dtype,
+            device="cuda" if on_gpu else "cpu",
+            max_num_seqs=section.max_num_seqs,
+            max_num_batched_tokens=section.max_num_batched_tokens,
+            kv_cache_memory_bytes=section.kv_cache_memory_bytes,
+            block_size=section.block_size,
+            max_model_len=self.model.max_model_len,
+            # Prefill chunks end where KDA states are retained, so prefix hits land on them.
+            chunk_boundary=None if role == "decode" else self.cache.retention_interval,
+            num_threads=None if on_gpu else max(1, int(section.num_cpus)),
+        )
+
+    def to_yaml(self) -> str:
+        """The config as YAML that `load_config` reads back to an equal config."""
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    def _check_pool(self, pool: str) -> None:
+        if pool not in self.pool_names:
+            raise ValueError(f"no pool {pool!r} in {self.mode} mode; pools: {', '.join(self.pool_names)}")
+
+
+def default_config() -> ClusterConfig:
+    """The embedded default: the tiny model, one prefill and one decode worker on CPUs."""
+    return ClusterConfig()
+
+
+def load_config(path: str | Path) -> ClusterConfig:
+    """Read and validate one YAML file; raise `ConfigError` naming the file, key and problem."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file ({exc.strerror or exc})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{path}: not valid YAML{at}: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (got {type(data).__name__})")
+    return parse_config(data, source=str(path))
+
+
+def parse_config(data: dict[str, Any], *, source: str = "<config>") -> ClusterConfig:
+    """Validate an already-parsed mapping; errors are reported as coming from `source`."""
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = [_describe(error) for error in exc.errors()]
+        if len(problems) == 1:
+            raise ConfigError(f"{source}: {problems[0]}") from None
+        listing = "\n".join(f"  - {problem}" for problem in problems)
+        raise ConfigError(f"{source}: {len(problems)} problems:\n{listing}") from None
+
+
+def _describe(error: Any) -> str:
+    loc = tuple(error["loc"])
+    key = ".".join(str(part) for part in loc)
+    if error["type"] == "extra_forbidden":
+        known = _known_keys(loc[:-1])
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
+        return f"{key}: unknown key ({hint})"
+    if error["type"] == "value_error":
+        message = str(error["ctx"]["error"])
+        return f"{key}: {message}" if key else message
+    return f"{key}: {error['msg']} (got {error['input']!r})"
+
+
+def _known_keys(loc: tuple[Any, ...]) -> list[str]:
+    model: type[BaseModel] = ClusterConfig
+    for part in loc:
+        annotation = model.model_fields[str(part)].annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)

@@ -1,0 +1,204 @@
+"""The cluster config: defaults, byte sizes, every cross-check's message, engine knobs, YAML."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from splitserve.config import (
+    ClusterConfig,
+    ConfigError,
+    default_config,
+    format_bytes,
+    load_config,
+    parse_bytes,
+    parse_config,
+)
+from splitserve.engine_config import EngineConfig
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "configs"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def error_of(tmp_path: Path, text: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    return str(info.value)
+
+
+def test_the_shipped_default_file_equals_the_embedded_default():
+    assert load_config(DEPLOY / "default.yaml") == default_config()
+
+
+def test_the_default_is_one_prefill_and_one_decode_worker_on_cpus():
+    config = default_config()
+    assert config.mode == "disaggregated" and config.pool_names == ("prefill", "decode")
+    assert config.model.path is None and config.model.served_name == "tiny-kimi-linear"
+    assert config.store.memory_bytes == 2 * 2**30 and config.store.disk.bytes == 20 * 2**30
+    assert config.prefill.kv_cache_memory_bytes == 256 * 2**20
+    assert (config.gateway.host, config.gateway.port, config.gateway.num_cpus) == ("127.0.0.1", 8000, 0.25)
+
+
+def test_the_gpu_example_is_valid():
+    config = load_config(DEPLOY / "gpu-cluster.yaml")
+    assert config.decode.num_gpus == 1 and config.engine_config("decode").device == "cuda"
+    assert config.model.served_name == "kimi-linear-48b-a3b-instruct"
+
+
+def test_an_empty_file_is_the_default(tmp_path):
+    assert load_config(write(tmp_path, "")) == default_config()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("2GiB", 2 * 2**30),
+        ("512MiB", 512 * 2**20),
+        ("1.5GB", 1_500_000_000),
+        ("1.5 GiB", 3 * 2**29),
+        ("4096", 4096),
+        ("10kb", 10_000),
+        (7, 7),
+    ],
+)
+def test_byte_sizes_accept_ints_and_unit_strings(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["2 GBs", "GiB", "-1", "1.5B", "two", True, 1.5])
+def test_bad_byte_sizes_are_refused(text):
+    with pytest.raises(ValueError):
+        parse_bytes(text)
+
+
+def test_byte_sizes_are_written_back_in_exact_binary_units():
+    assert [format_bytes(n) for n in (2 * 2**30, 3 * 2**29, 1000)] == ["2GiB", "1536MiB", 1000]
+
+
+def test_a_bad_byte_string_names_the_file_and_key(tmp_path):
+    message = error_of(tmp_path, "store: {memory_bytes: 2 GBs}")
+    assert message.startswith(f"{tmp_path / 'cluster.yaml'}: store.memory_bytes:")
+    assert "'2 GBs' is not a byte size" in message and "2GiB" in message
+
+
+def test_a_misspelt_key_is_an_error_with_a_suggestion(tmp_path):
+    message = error_of(tmp_path, "prefill: {replcas: 2}")
+    assert "prefill.replcas: unknown key (did you mean 'replicas'?)" in message
+
+
+def test_an_unknown_section_lists_the_known_ones(tmp_path):
+    assert "prefil: unknown key (did you mean 'prefill'?)" in error_of(tmp_path, "prefil: {replicas: 2}")
+
+
+def test_block_sizes_must_agree_across_pools_and_cache(tmp_path):
+    message = error_of(tmp_path, "cache: {block_size: 32, prefix_unit: 64}")
+    assert "prefill.block_size (16) must equal cache.block_size (32)" in message
+    message = error_of(tmp_path, "decode: {block_size: 32}")
+    assert "decode.block_size (32) must equal cache.block_size (16)" in message
+
+
+def test_prefix_unit_must_be_a_multiple_of_block_size(tmp_path):
+    message = error_of(tmp_path, "cache: {prefix_unit: 60}")
+    assert "cache.prefix_unit (60) must be a multiple of cache.block_size (16)" in message
+
+
+def test_retention_interval_must_be_a_multiple_of_prefix_unit(tmp_path):
+    message = error_of(tmp_path, "cache: {retention_interval: 100}")
+    assert "cache.retention_interval (100) must be a multiple of cache.prefix_unit (64)" in message
+
+
+def test_tensor_parallel_above_one_is_not_supported_yet(tmp_path):
+    message = error_of(tmp_path, "decode: {tensor_parallel: 2}")
+    assert "decode.tensor_parallel: tensor_parallel > 1 is not supported yet (got 2)" in message
+
+
+def test_colocated_mode_refuses_a_decode_pool(tmp_path):
+    message = error_of(tmp_path, "mode: colocated\ndecode: {replicas: 2}")
+    assert "decode.replicas: colocated mode" in message and "set decode.replicas: 0" in message
+    message = error_of(tmp_path, "mode: colocated\ndecode: {max_num_seqs: 8}")  # replicas defaults to 1
+    assert "decode.replicas" in message
+
+
+def test_colocated_mode_without_a_decode_section_has_one_pool(tmp_path):
+    config = load_config(write(tmp_path, "mode: colocated\nprefill: {replicas: 2}"))
+    assert config.pool_names == ("prefill",) and config.pool_role("prefill") == "colocated"
+    assert config.decode.replicas == 0
+    assert load_config(write(tmp_path, "mode: colocated\ndecode: {replicas: 0}")).pool_names == ("prefill",)
+
+
+def test_pools_need_a_replica_and_no_negative_gpus(tmp_path):
+    assert "prefill.replicas: must be at least 1 (got 0)" in error_of(tmp_path, "prefill: {replicas: 0}")
+    assert "decode.num_gpus: Input should be greater than or equal to 0" in error_of(
+        tmp_path, "decode: {num_gpus: -1}"
+    )
+
+
+def test_several_problems_are_reported_together(tmp_path):
+    message = error_of(tmp_path, "gateway: {port: 70000}\nhealth: {interval_s: 0}")
+    assert "2 problems" in message and "gateway.port" in message and "health.interval_s" in message
+
+
+def test_bad_yaml_and_missing_files_name_the_file(tmp_path):
+    assert "not valid YAML at line 1" in error_of(tmp_path, "model: [1")
+    assert "the top level must be a mapping" in error_of(tmp_path, "- 1")
+    with pytest.raises(ConfigError, match="nope.yaml: cannot read"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_the_config_is_frozen():
+    config = default_config()
+    with pytest.raises(ValidationError):
+        config.mode = "colocated"  # type: ignore[misc]
+    with pytest.raises(ValidationError):
+        config.prefill.replicas = 4  # type: ignore[misc]
+
+
+def test_engine_config_is_derived_per_pool():
+    config = parse_config(
+        {
+            "model": {"path": "~/models/kimi", "dtype": "bfloat16", "max_model_len": 4096},
+            "prefill": {"num_cpus": 2, "max_num_batched_tokens": 512, "kv_cache_memory_bytes": "1GiB"},
+            "decode": {"num_gpus": 1, "max_num_seqs": 128},
+        }
+    )
+    prefill = config.engine_config("prefill")
+    assert isinstance(prefill, EngineConfig)
+    assert prefill.model == str(Path("~/models/kimi").expanduser())
+    assert (prefill.dtype, prefill.device, prefill.num_threads) == ("bfloat16", "cpu", 2)
+    assert (prefill.max_num_batched_tokens, prefill.kv_cache_memory_bytes) == (512, 2**30)
+    assert (prefill.max_model_len, prefill.block_size, prefill.chunk_boundary) == (4096, 16, 1024)
+    decode = config.engine_config("decode")
+    assert (decode.device, decode.num_threads, decode.max_num_seqs, decode.chunk_boundary) == (
+        "cuda",
+        None,
+        128,
+        None,
+    )
+    assert config.model.served_name == "kimi"
+    with pytest.raises(ValueError, match="no pool 'colocated'"):
+        config.engine_config("colocated")
+
+
+def test_yaml_round_trip_gives_an_equal_config(tmp_path):
+    original = parse_config(
+        {
+            "mode": "colocated",
+            "gateway": {"api_keys": ["k1"], "port": 9000},
+            "prefill": {"replicas": 3, "placement": "STRICT_SPREAD", "kv_cache_memory_bytes": "1.5GiB"},
+            "store": {"memory_bytes": 1000, "disk": {"path": None}},
+            "cache": {"block_size": 16, "prefix_unit": 32, "retention_interval": 96},
+        }
+    )
+    text = original.to_yaml()
+    assert "kv_cache_memory_bytes: 1536MiB" in text
+    assert load_config(write(tmp_path, text)) == original
+    assert isinstance(yaml.safe_load(text), dict)
+    assert ClusterConfig.model_validate(original.model_dump()) == original
