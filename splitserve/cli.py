@@ -68,6 +68,75 @@ def _import_demo() -> ModuleType | None:
         return None
 
 
+def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="config_action", metavar="ACTION", required=True)
+    check = actions.add_parser("check", help="validate a cluster config file and print it resolved")
+    check.add_argument("file", help="the YAML file to check")
+    actions.add_parser("default", help="print the embedded default config")
+
+
+def _run_config(args: argparse.Namespace) -> int:
+    from splitserve.config import ConfigError, default_config, load_config
+
+    if args.config_action == "default":
+        print(default_config().to_yaml(), end="")
+        return 0
+    try:
+        config = load_config(args.file)
+    except ConfigError as exc:
+        print(f"splitserve config check: {exc}", file=sys.stderr)
+        return 1
+    print(config.to_yaml(), end="")
+    print(f"{args.file}: OK ({config.mode}, pools: {', '.join(config.pool_names)})", file=sys.stderr)
+    return 0
+
+
+def _add_address_argument(parser: argparse.ArgumentParser, otherwise: str) -> None:
+    parser.add_argument(
+        "--address",
+        default=None,
+        help=f"Ray cluster address (e.g. ray://head:10001); default: $RAY_ADDRESS, else {otherwise}",
+    )
+
+
+def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="cluster config YAML (default: the embedded default)")
+    _add_address_argument(parser, "a new local Ray sized to the config")
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    from splitserve.config import ConfigError, default_config, load_config
+
+    try:
+        config = load_config(args.config) if args.config else default_config()
+    except ConfigError as exc:
+        print(f"splitserve up: {exc}", file=sys.stderr)
+        return 2
+    from deploy.serve import serve_forever
+
+    return serve_forever(config, address=args.address)
+
+
+def _add_status_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_address_argument(parser, "the Ray running on this machine")
+    parser.add_argument("--json", action="store_true", help="print the raw status as JSON")
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    import json
+
+    from deploy.launcher import ClusterError, fetch_status
+    from deploy.report import status_table
+
+    try:
+        status = fetch_status(args.address)
+    except ClusterError as exc:
+        print(f"splitserve status: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(status, indent=2) if args.json else status_table(status))
+    return 0 if status["healthy"] else 3
+
+
 COMMANDS: dict[str, Command] = {
     "make-tiny-model": Command(
         help="write a random tiny kimi_linear checkpoint with its tokenizer",
@@ -75,6 +144,21 @@ COMMANDS: dict[str, Command] = {
         run=_run_make_tiny_model,
     ),
     "demo": Command(help="run the local demo", add_arguments=_add_demo_arguments, run=_run_demo),
+    "up": Command(
+        help="start a deployment from a cluster config and serve until Ctrl-C or SIGTERM",
+        add_arguments=_add_up_arguments,
+        run=_run_up,
+    ),
+    "status": Command(
+        help="show the running deployment's pools, health and load",
+        add_arguments=_add_status_arguments,
+        run=_run_status,
+    ),
+    "config": Command(
+        help="check a cluster config file (config check FILE) or print the default (config default)",
+        add_arguments=_add_config_arguments,
+        run=_run_config,
+    ),
 }
 
 

@@ -1,0 +1,73 @@
+"""Turn a controller `status()` dict into text: a one-line summary and a table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_LOAD_KEYS_SHOWN = 4
+
+
+def status_line(status: dict[str, Any]) -> str:
+    """E.g. "healthy: prefill 1/1, decode 1/1, stores 1/1, gateway up; 0 restarts"."""
+    parts = [f"{name} {pool['num_healthy']}/{pool['replicas']}" for name, pool in status["pools"].items()]
+    stores = status["stores"]
+    parts.append(f"stores {sum(s['healthy'] for s in stores)}/{len(stores)}")
+    gateway = status["gateway"]
+    parts.append(f"gateway {'up' if gateway and gateway['healthy'] else 'down'}")
+    restarts = sum(p["restarts"] for p in status["pools"].values())
+    restarts += sum(s["restarts"] for s in stores) + (gateway["restarts"] if gateway else 0)
+    state = "healthy" if status["healthy"] else "DEGRADED"
+    return f"{state}: {', '.join(parts)}; {restarts} restarts"
+
+
+def unhealthy_parts(status: dict[str, Any]) -> str:
+    """The actors that are not healthy, with their last error (for error messages)."""
+    rows = [(f"{name} {w['index']}", w) for name, p in status["pools"].items() for w in p["workers"]]
+    rows += [(f"store {s['index']}", s) for s in status["stores"]]
+    if status["gateway"]:
+        rows.append(("gateway", status["gateway"]))
+    bad = [f"{label} ({row['error'] or 'not healthy'})" for label, row in rows if not row["healthy"]]
+    return "; ".join(bad) or "everything reports healthy"
+
+
+def status_table(status: dict[str, Any]) -> str:
+    """One row per actor: pool, index, address, node, health, restarts, load."""
+    header = ("POOL", "#", "ADDRESS", "NODE", "HEALTHY", "RESTARTS", "LOAD")
+    rows: list[tuple[str, ...]] = []
+    gateway = status["gateway"]
+    if gateway:
+        rows.append(_row("gateway", gateway, gateway.get("url") or gateway["address"]))
+    for name, pool in status["pools"].items():
+        label = name if pool["role"] == name else f"{name} ({pool['role']})"
+        rows.extend(_row(label, worker) for worker in pool["workers"])
+    rows.extend(_row("store", store) for store in status["stores"])
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(r, widths)).rstrip() for r in [header, *rows]]
+    title = f"model {status['model']} ({status['mode']}) - {status_line(status)}"
+    return "\n".join([title, *lines])
+
+
+def _row(label: str, member: dict[str, Any], address: str | None = None) -> tuple[str, ...]:
+    if member["healthy"]:
+        health = "yes"
+    elif member["given_up"]:
+        health = "GAVE UP"
+    else:
+        health = "no"
+    if member["error"] and not member["healthy"]:
+        health += f" ({member['error']})"
+    return (
+        label,
+        str(member["index"]),
+        address or member["address"] or "-",
+        member["node_ip"] or "-",
+        health,
+        str(member["restarts"]),
+        _load(member["stats"]),
+    )
+
+
+def _load(stats: dict[str, Any]) -> str:
+    numeric = [(k, v) for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    shown = " ".join(f"{k}={v:g}" for k, v in numeric[:_LOAD_KEYS_SHOWN])
+    return shown + (" ..." if len(numeric) > _LOAD_KEYS_SHOWN else "") or "-"

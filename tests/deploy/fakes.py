@@ -1,0 +1,118 @@
+"""Test doubles for the actors the controller starts (passed through `actor_classes`).
+
+Each fake records what happens to it in one named `Registry` actor, so a test can read the
+start order, the addresses the gateway was told, and hold every fake's handle.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+REGISTRY_NAME = "fake-registry"
+REGISTRY_NAMESPACE = "splitserve-tests"
+
+
+@ray.remote(num_cpus=0)
+class Registry:
+    """Events in order, and the handle of every fake that started."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[Any, ...]] = []
+        self.handles: list[tuple[str, str, Any]] = []  # (kind, address, handle)
+        self.port = 20000
+
+    def record(self, *event: Any) -> None:
+        self.events.append(event)
+
+    def next_port(self) -> int:
+        self.port += 1
+        return self.port
+
+    def register(self, kind: str, address: str, handle: Any) -> None:
+        self.handles.append((kind, address, handle[0]))
+        self.events.append(("start", kind, address))
+
+    def get_events(self) -> list[tuple[Any, ...]]:
+        return list(self.events)
+
+    def get_handles(self) -> list[tuple[str, str, Any]]:
+        return list(self.handles)
+
+
+def _registry() -> Any:
+    return ray.get_actor(REGISTRY_NAME, namespace=REGISTRY_NAMESPACE)
+
+
+class _Fake:
+    kind = "fake"
+
+    def start(self, host: str, port: int = 0) -> str:
+        registry = _registry()
+        self.address = f"{host}:{port or ray.get(registry.next_port.remote())}"
+        me = ray.get_runtime_context().current_actor
+        ray.get(registry.register.remote(self.kind, self.address, [me]))
+        return self.address
+
+    def health(self) -> bool:
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        return {"num_running": 1, "kind": self.kind}
+
+    def shutdown(self) -> None:
+        ray.get(_registry().record.remote("shutdown", self.kind, self.address))
+
+
+class FakeStore(_Fake):
+    kind = "store"
+
+    def __init__(self, memory_bytes: int, disk_path: str | None, disk_bytes: int, lease_s: float) -> None:
+        assert isinstance(memory_bytes, int) and isinstance(disk_bytes, int)
+        self.lease_s = lease_s
+
+
+class _FakeWorker(_Fake):
+    def __init__(self, engine_config: Any, store_address: str) -> None:
+        self.engine_config = engine_config
+        ray.get(
+            _registry().record.remote("construct", self.kind, store_address, engine_config.chunk_boundary)
+        )
+
+
+class FakePrefill(_FakeWorker):
+    kind = "prefill"
+
+
+class FakeDecode(_FakeWorker):
+    kind = "decode"
+
+
+class FakeColocated(_FakeWorker):
+    kind = "colocated"
+
+
+class FakeSettings:
+    def __init__(self, **kwargs: Any) -> None:
+        self.__dict__.update(kwargs)
+
+
+class FakeGateway(_Fake):
+    kind = "gateway"
+
+    def __init__(self, settings: FakeSettings) -> None:
+        self.settings = settings
+
+    def update_workers(self, prefill_addresses: list[str], decode_addresses: list[str]) -> None:
+        ray.get(_registry().record.remote("update_workers", list(prefill_addresses), list(decode_addresses)))
+
+
+FAKE_CLASSES: dict[str, type] = {
+    "store": FakeStore,
+    "prefill": FakePrefill,
+    "decode": FakeDecode,
+    "colocated": FakeColocated,
+    "gateway": FakeGateway,
+    "gateway_settings": FakeSettings,
+}

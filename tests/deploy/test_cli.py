@@ -1,0 +1,127 @@
+"""`splitserve config`, the status table, and `splitserve up`'s signal handling (with fakes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+from deploy import serve
+from deploy.launcher import run_cluster
+from deploy.report import status_line, status_table
+from splitserve.cli import main
+from tests.deploy.fakes import FAKE_CLASSES, REGISTRY_NAME, REGISTRY_NAMESPACE, Registry
+from tests.deploy.helpers import is_dead, is_dead_controller, small_config
+
+
+def test_config_check_prints_the_validated_config(tmp_path, capsys):
+    path = tmp_path / "ok.yaml"
+    path.write_text("prefill: {replicas: 2}\nstore: {memory_bytes: 1GiB}\n")
+    assert main(["config", "check", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert "replicas: 2" in out and "memory_bytes: 1GiB" in out
+    assert f"{path}: OK (disaggregated, pools: prefill, decode)" in err
+
+
+def test_config_check_prints_the_one_clear_error(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("decode: {tensor_parallel: 4}\n")
+    assert main(["config", "check", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.strip() == (
+        f"splitserve config check: {path}: decode.tensor_parallel: tensor_parallel > 1 is not "
+        "supported yet (got 4); scale out with replicas"
+    )
+
+
+def test_config_default_prints_the_embedded_default(capsys):
+    assert main(["config", "default"]) == 0
+    assert "mode: disaggregated" in capsys.readouterr().out
+
+
+def test_up_with_a_bad_config_exits_2_before_touching_ray(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("gateway: {prot: 1}\n")
+    assert main(["up", "--config", str(path)]) == 2
+    assert "gateway.prot: unknown key (did you mean 'port'?)" in capsys.readouterr().err
+    assert not ray.is_initialized()
+
+
+STATUS: dict[str, Any] = {
+    "mode": "disaggregated",
+    "model": "m",
+    "healthy": False,
+    "gateway": {
+        "kind": "gateway", "index": 0, "address": "0.0.0.0:8000", "url": "http://10.0.0.1:8000",
+        "node_ip": "10.0.0.1", "healthy": True, "restarts": 0, "given_up": False, "error": None, "stats": {},
+    },
+    "pools": {
+        "prefill": {
+            "role": "prefill", "replicas": 1, "num_healthy": 1, "restarts": 1,
+            "workers": [{
+                "kind": "prefill", "index": 0, "address": "10.0.0.1:5000", "node_ip": "10.0.0.1",
+                "healthy": True, "restarts": 1, "given_up": False, "error": None,
+                "stats": {"num_running": 3, "num_waiting": 1, "name": "x"},
+            }],
+        },
+        "decode": {
+            "role": "decode", "replicas": 1, "num_healthy": 0, "restarts": 3,
+            "workers": [{
+                "kind": "decode", "index": 0, "address": None, "node_ip": "10.0.0.2",
+                "healthy": False, "restarts": 3, "given_up": True, "error": "actor died", "stats": {},
+            }],
+        },
+    },
+    "stores": [],
+}  # fmt: skip
+
+
+def test_the_status_table_has_a_row_per_actor_with_health_and_load():
+    table = status_table(STATUS)
+    lines = table.splitlines()
+    assert lines[0] == "model m (disaggregated) - " + status_line(STATUS)
+    assert status_line(STATUS) == "DEGRADED: prefill 1/1, decode 0/1, stores 0/0, gateway up; 4 restarts"
+    assert lines[1].split() == ["POOL", "#", "ADDRESS", "NODE", "HEALTHY", "RESTARTS", "LOAD"]
+    assert lines[2].split()[:3] == ["gateway", "0", "http://10.0.0.1:8000"]
+    assert "num_running=3 num_waiting=1" in lines[3]
+    assert "GAVE UP (actor died)" in lines[4]
+
+
+@pytest.fixture
+def ray_with_registry(ray_cluster: None) -> Iterator[Any]:
+    registry = Registry.options(name=REGISTRY_NAME, namespace=REGISTRY_NAMESPACE).remote()
+    yield registry
+    ray.kill(registry)
+
+
+def test_up_stops_everything_and_exits_0_on_sigterm(ray_with_registry, monkeypatch, capsys):
+    started: list[Any] = []
+
+    def run_with_fakes(config: Any, *, address: str | None = None) -> Any:
+        handle = run_cluster(config, address=address, actor_classes=FAKE_CLASSES)
+        started.append(handle)
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        return handle
+
+    monkeypatch.setattr(serve, "run_cluster", run_with_fakes)
+    before = signal.getsignal(signal.SIGTERM)
+    assert serve.serve_forever(small_config(), poll_s=0.1) == 0
+    out, err = capsys.readouterr()
+    assert "gateway: http://127.0.0.1:" in out and "healthy: prefill 1/1, decode 1/1" in out
+    assert "stopped" in err
+    handles = [h for _, _, h in ray.get(ray_with_registry.get_handles.remote())]
+    assert len(handles) == 4 and all(is_dead(h) for h in handles)
+    assert is_dead_controller()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_config_files_in_deploy_are_all_valid(capsys):
+    for path in sorted((Path(__file__).resolve().parents[2] / "deploy" / "configs").glob("*.yaml")):
+        assert main(["config", "check", str(path)]) == 0, capsys.readouterr().err

@@ -1,0 +1,183 @@
+"""The controller with fake actors: placement, start order, status, restarts, resize, stop."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+from ray.util.placement_group import placement_group_table
+
+from deploy.launcher import ClusterError, ClusterHandle, run_cluster
+from tests.deploy.fakes import FAKE_CLASSES, REGISTRY_NAME, REGISTRY_NAMESPACE, Registry
+from tests.deploy.helpers import is_dead, is_dead_controller, small_config, wait_until
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+
+@pytest.fixture
+def registry() -> Iterator[Any]:
+    actor = Registry.options(name=REGISTRY_NAME, namespace=REGISTRY_NAMESPACE).remote()
+    yield actor
+    ray.kill(actor)
+
+
+@pytest.fixture
+def cluster(registry: Any) -> Iterator[ClusterHandle]:
+    handle = run_cluster(small_config(), actor_classes=FAKE_CLASSES)
+    yield handle
+    handle.stop()
+
+
+def events(registry: Any, kind: str | None = None) -> list[tuple[Any, ...]]:
+    return [e for e in ray.get(registry.get_events.remote()) if kind is None or e[0] == kind]
+
+
+def live_groups() -> list[dict[str, Any]]:
+    return [g for g in placement_group_table().values() if g["state"] != "REMOVED"]
+
+
+def test_start_places_pools_and_starts_store_then_workers_then_gateway(cluster, registry):
+    starts = [e[1] for e in events(registry, "start")]
+    assert starts[0] == "store"
+    assert sorted(starts[1:3]) == ["decode", "prefill"]
+    assert starts[3] == "gateway"
+    status = cluster.status()
+    store_address = status["stores"][0]["address"]
+    constructed = {e[1]: e for e in events(registry, "construct")}
+    assert constructed["prefill"][2] == store_address and constructed["decode"][2] == store_address
+    assert constructed["prefill"][3] == 1024 and constructed["decode"][3] is None  # chunk_boundary
+    groups = live_groups()
+    assert sorted(g["bundles"][0]["CPU"] for g in groups) == [0.5, 0.5]
+    assert all(g["strategy"] == "PACK" for g in groups)
+    prefill, decode = status["pools"]["prefill"], status["pools"]["decode"]
+    assert events(registry, "update_workers")[-1] == (
+        "update_workers",
+        prefill["addresses"],
+        decode["addresses"],
+    )
+
+
+def test_status_reports_replicas_addresses_health_restarts_and_load(cluster):
+    status = cluster.status()
+    assert status["healthy"] and status["mode"] == "disaggregated" and status["model"] == "fake-model"
+    for name in ("prefill", "decode"):
+        pool = status["pools"][name]
+        assert pool["replicas"] == 1 and pool["num_healthy"] == 1 and pool["healthy"]
+        assert pool["restarts"] == 0
+        assert len(pool["addresses"]) == 1 and pool["addresses"][0].count(":") == 1
+        assert pool["load"] == {"num_running": 1}
+        assert pool["bundle"] == {"CPU": 0.5}
+    assert status["gateway"]["healthy"] and status["gateway"]["url"].startswith("http://127.0.0.1:")
+    assert len(status["stores"]) == 1 and status["stores"][0]["healthy"]
+
+
+def test_a_killed_worker_is_restarted_and_the_gateway_hears_its_new_address(cluster, registry):
+    old_address = kill_worker(cluster, registry, "decode")
+
+    def restarted() -> dict[str, Any] | None:
+        pool = cluster.status()["pools"]["decode"]
+        return pool if pool["restarts"] == 1 and pool["healthy"] else None
+
+    pool = wait_until(restarted, what="the decode worker to restart")
+    new_address = pool["addresses"][0]
+    assert new_address != old_address
+    prefill = cluster.status()["pools"]["prefill"]["addresses"]
+    wait_until(
+        lambda: events(registry, "update_workers")[-1] == ("update_workers", prefill, [new_address]),
+        what="update_workers with the new address",
+    )
+    assert cluster.status()["healthy"]
+
+
+def kill_worker(cluster: ClusterHandle, registry: Any, pool: str) -> str:
+    """Kill the pool's first worker; return the address it had."""
+    address = cluster.status()["pools"][pool]["workers"][0]["address"]
+    handle = next(h for _, a, h in ray.get(registry.get_handles.remote()) if a == address)
+    ray.kill(handle)
+    return address
+
+
+def first_worker(cluster: ClusterHandle, pool: str) -> dict[str, Any]:
+    return cluster.status()["pools"][pool]["workers"][0]
+
+
+def test_a_worker_that_keeps_dying_is_given_up_after_max_restarts(registry):
+    with run_cluster(small_config(health={"max_restarts": 1}), actor_classes=FAKE_CLASSES) as cluster:
+        old = kill_worker(cluster, registry, "prefill")
+        wait_until(
+            lambda: (w := first_worker(cluster, "prefill"))["healthy"] and w["address"] != old,
+            what="the first restart",
+        )
+        kill_worker(cluster, registry, "prefill")
+        worker = wait_until(
+            lambda: (w := first_worker(cluster, "prefill"))["given_up"] and w, what="the give-up"
+        )
+        assert worker["restarts"] == 1 and not worker["healthy"]
+        assert "gave up after 1 restarts" in worker["error"]
+        assert not cluster.status()["healthy"]
+        wait_until(lambda: events(registry, "update_workers")[-1][1] == [], what="the gateway to drop it")
+
+
+def test_resize_up_adds_a_placement_group_and_down_removes_it(cluster, registry):
+    status = cluster.resize("prefill", 2)
+    pool = status["pools"]["prefill"]
+    assert pool["replicas"] == 2 and pool["num_healthy"] == 2 and len(set(pool["addresses"])) == 2
+    assert len(live_groups()) == 3
+    decode = status["pools"]["decode"]["addresses"]
+    assert events(registry, "update_workers")[-1] == ("update_workers", pool["addresses"], decode)
+    removed_address = pool["addresses"][1]
+    removed = next(h for _, a, h in ray.get(registry.get_handles.remote()) if a == removed_address)
+
+    status = cluster.resize("prefill", 1)
+    assert status["pools"]["prefill"]["addresses"] == pool["addresses"][:1]
+    assert ("shutdown", "prefill", removed_address) in events(registry)
+    assert is_dead(removed)
+    assert len(live_groups()) == 2
+    assert events(registry, "update_workers")[-1] == ("update_workers", pool["addresses"][:1], decode)
+    with pytest.raises(ray.exceptions.RayTaskError, match="at least 1 replica"):
+        cluster.resize("prefill", 0)
+    with pytest.raises(ray.exceptions.RayTaskError, match="no pool 'colocated'"):
+        cluster.resize("colocated", 2)
+
+
+def test_stop_ends_every_actor_the_controller_and_placement_group(registry):
+    cluster = run_cluster(small_config(), actor_classes=FAKE_CLASSES)
+    handles = [h for _, _, h in ray.get(registry.get_handles.remote())]
+    assert len(handles) == 4  # store, prefill, decode, gateway
+    cluster.stop()
+    assert all(is_dead(h) for h in handles)
+    assert is_dead_controller()
+    assert live_groups() == []
+    assert {e[1] for e in events(registry, "shutdown")} == {"store", "prefill", "decode", "gateway"}
+    assert ray.is_initialized()  # the test started Ray, so stop() leaves it running
+
+
+def test_colocated_mode_starts_colocated_workers_for_both_phases(registry):
+    config = small_config(mode="colocated", decode=None, prefill={"replicas": 2})
+    with run_cluster(config, actor_classes=FAKE_CLASSES) as cluster:
+        status = cluster.status()
+        assert list(status["pools"]) == ["prefill"] and status["pools"]["prefill"]["role"] == "colocated"
+        addresses = status["pools"]["prefill"]["addresses"]
+        assert len(addresses) == 2
+        assert sorted(e[1] for e in events(registry, "start")) == [
+            "colocated",
+            "colocated",
+            "gateway",
+            "store",
+        ]
+        assert events(registry, "update_workers")[-1] == ("update_workers", addresses, addresses)
+
+
+def test_a_cluster_too_small_for_the_config_fails_naming_the_pool_and_leaves_nothing(registry):
+    config = small_config(prefill={"num_cpus": 8}, health={"start_timeout_s": 1})
+    with pytest.raises(ClusterError, match=r"pool 'prefill': could not reserve 1 x \{'CPU': 8.0\}"):
+        run_cluster(config, actor_classes=FAKE_CLASSES)
+    assert is_dead_controller()
+    assert live_groups() == []
+
+
+def test_a_second_deployment_in_the_same_ray_cluster_is_refused(cluster):
+    with pytest.raises(ClusterError, match="already running"):
+        run_cluster(small_config(), actor_classes=FAKE_CLASSES)
