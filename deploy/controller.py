@@ -22,8 +22,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import json
 import logging
 from collections.abc import Awaitable, Iterable
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -45,7 +47,7 @@ _DEFAULT_CLASSES = {
     "store": ("state_store.actor", "StateStoreActor"),
     "prefill": ("prefill_worker.actor", "PrefillWorkerActor"),
     "decode": ("decode_worker.actor", "DecodeWorkerActor"),
-    "colocated": ("decode_worker.actor", "ColocatedWorkerActor"),
+    "colocated": ("decode_worker.colocated", "ColocatedWorkerActor"),
     "gateway": ("frontend.actor", "GatewayActor"),
     "gateway_settings": ("frontend.settings", "GatewaySettings"),
 }
@@ -177,6 +179,13 @@ class Controller:
             else None,
         }
 
+    async def worker_handle(self, pool: str, index: int) -> Any:
+        """The actor handle of one worker (by its index in `status()`), or None while it is down."""
+        for member in self._pools[pool].members:
+            if member.index == index:
+                return member.handle
+        raise ValueError(f"pool {pool!r} has no worker {index}")
+
     # ---- placement and starting -----------------------------------------------------------
 
     async def _reserve(self, pool: Pool, count: int) -> list[Member]:
@@ -254,14 +263,17 @@ class Controller:
 
     async def _start_gateway(self, gateway: Member) -> None:
         cfg = self._config.gateway
-        settings = self._actor_class("gateway_settings")(
-            model_name=self._config.model.served_name,
-            model_path=self._model_path,
-            host=cfg.host,
-            port=cfg.port,
-            api_keys=list(cfg.api_keys),
-            max_model_len=self._config.model.max_model_len,
-        )
+        settings_kwargs: dict[str, Any] = {
+            "model_name": self._config.model.served_name,
+            "model_path": self._model_path,
+            "host": cfg.host,
+            "port": cfg.port,
+            "api_keys": list(cfg.api_keys),
+        }
+        max_model_len = self._config.model.max_model_len or _checkpoint_context(self._model_path)
+        if max_model_len is not None:  # else the gateway's own default applies
+            settings_kwargs["max_model_len"] = max_model_len
+        settings = self._actor_class("gateway_settings")(**settings_kwargs)
         cls = self._actor_class("gateway")
         gateway.handle = cls.options(
             num_cpus=cfg.num_cpus, max_restarts=0, resources={HEAD_NODE_RESOURCE: 0.001}
@@ -443,6 +455,18 @@ async def _awaitable(ref: Awaitable[Any]) -> Any:
 
 def _node_id_of_actor(_self: Any) -> str:
     return ray.get_runtime_context().get_node_id()
+
+
+def _checkpoint_context(model_path: str | None) -> int | None:
+    """The checkpoint's own context length (`max_position_embeddings`), if its config says."""
+    if model_path is None:
+        return None
+    try:
+        with open(Path(model_path) / "config.json", encoding="utf-8") as f:
+            value = json.load(f).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) and value >= 2 else None
 
 
 def _port_of(address: str | None) -> int:

@@ -5,6 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 _LOAD_KEYS_SHOWN = 4
+# What a person asks first of a worker (its queue and free memory) and of a store (its contents).
+_LOAD_KEYS_FIRST = (
+    "num_running",
+    "num_waiting",
+    "num_free_kv_blocks",
+    "num_free_state_slots",
+    "num_keys",
+    "num_hits",
+)
 
 
 def status_line(status: dict[str, Any]) -> str:
@@ -68,6 +77,11 @@ def _row(label: str, member: dict[str, Any], address: str | None = None) -> tupl
 
 
 def _load(stats: dict[str, Any]) -> str:
-    numeric = [(k, v) for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    shown = " ".join(f"{k}={v:g}" for k, v in numeric[:_LOAD_KEYS_SHOWN])
-    return shown + (" ..." if len(numeric) > _LOAD_KEYS_SHOWN else "") or "-"
+    numeric = {k: v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    keys = [k for k in _LOAD_KEYS_FIRST if k in numeric] + [k for k in numeric if k not in _LOAD_KEYS_FIRST]
+    shown = " ".join(f"{_short(k)}={numeric[k]:g}" for k in keys[:_LOAD_KEYS_SHOWN])
+    return shown + (" ..." if len(keys) > _LOAD_KEYS_SHOWN else "") or "-"
+
+
+def _short(key: str) -> str:
+    return key.removeprefix("num_")

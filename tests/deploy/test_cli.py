@@ -90,7 +90,7 @@ def test_the_status_table_has_a_row_per_actor_with_health_and_load():
     assert status_line(STATUS) == "DEGRADED: prefill 1/1, decode 0/1, stores 0/0, gateway up; 4 restarts"
     assert lines[1].split() == ["POOL", "#", "ADDRESS", "NODE", "HEALTHY", "RESTARTS", "LOAD"]
     assert lines[2].split()[:3] == ["gateway", "0", "http://10.0.0.1:8000"]
-    assert "num_running=3 num_waiting=1" in lines[3]
+    assert "running=3 waiting=1" in lines[3]
     assert "GAVE UP (actor died)" in lines[4]
 
 

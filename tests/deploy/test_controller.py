@@ -181,3 +181,36 @@ def test_a_cluster_too_small_for_the_config_fails_naming_the_pool_and_leaves_not
 def test_a_second_deployment_in_the_same_ray_cluster_is_refused(cluster):
     with pytest.raises(ClusterError, match="already running"):
         run_cluster(small_config(), actor_classes=FAKE_CLASSES)
+
+
+def test_real_store_and_workers_start_report_load_and_restart(registry):
+    """The actual StateStoreActor and worker actors on the tiny model (only the gateway is fake)."""
+    config = small_config(
+        model={"path": None, "name": None},
+        prefill={"kv_cache_memory_bytes": "16MiB"},
+        decode={"kv_cache_memory_bytes": "16MiB"},
+        store={"memory_bytes": "64MiB", "disk": {"path": None}},
+        health={"interval_s": 0.5, "timeout_s": 30, "start_timeout_s": 300},
+    )
+    fakes = {"gateway": FAKE_CLASSES["gateway"], "gateway_settings": FAKE_CLASSES["gateway_settings"]}
+    with run_cluster(config, actor_classes=fakes) as cluster:
+        status = wait_until(
+            lambda: (s := cluster.status())["pools"]["decode"]["load"].get("num_total_kv_blocks") and s,
+            what="the first stats",
+        )
+        assert status["healthy"] and status["model"] == "tiny-kimi-linear"
+        assert status["pools"]["prefill"]["load"]["num_running"] == 0
+        assert "num_keys" in status["stores"][0]["stats"]
+        prefill, decode = status["pools"]["prefill"]["addresses"], status["pools"]["decode"]["addresses"]
+        assert events(registry, "update_workers")[-1] == ("update_workers", prefill, decode)
+
+        ray.kill(ray.get(cluster.controller.worker_handle.remote("decode", 0)))
+        pool = wait_until(
+            lambda: (p := cluster.status()["pools"]["decode"])["restarts"] == 1 and p["healthy"] and p,
+            what="the real decode worker to restart",
+        )
+        assert pool["addresses"] != decode
+        wait_until(
+            lambda: events(registry, "update_workers")[-1] == ("update_workers", prefill, pool["addresses"]),
+            what="the gateway to hear the new decode address",
+        )
