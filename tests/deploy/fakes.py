@@ -30,9 +30,9 @@ class Registry:
         self.port += 1
         return self.port
 
-    def register(self, kind: str, address: str, handle: Any) -> None:
+    def register(self, kind: str, address: str, handle: Any, node_id: str) -> None:
         self.handles.append((kind, address, handle[0]))
-        self.events.append(("start", kind, address))
+        self.events.append(("start", kind, address, node_id))
 
     def get_events(self) -> list[tuple[Any, ...]]:
         return list(self.events)
@@ -52,7 +52,8 @@ class _Fake:
         registry = _registry()
         self.address = f"{host}:{port or ray.get(registry.next_port.remote())}"
         me = ray.get_runtime_context().current_actor
-        ray.get(registry.register.remote(self.kind, self.address, [me]))
+        node_id = ray.get_runtime_context().get_node_id()
+        ray.get(registry.register.remote(self.kind, self.address, [me], node_id))
         return self.address
 
     def health(self) -> bool:
@@ -76,9 +77,9 @@ class FakeStore(_Fake):
 class _FakeWorker(_Fake):
     def __init__(self, engine_config: Any, store_address: str) -> None:
         self.engine_config = engine_config
-        ray.get(
-            _registry().record.remote("construct", self.kind, store_address, engine_config.chunk_boundary)
-        )
+        node_id = ray.get_runtime_context().get_node_id()
+        event = ("construct", self.kind, store_address, engine_config.chunk_boundary, node_id)
+        ray.get(_registry().record.remote(*event))
 
 
 class FakePrefill(_FakeWorker):

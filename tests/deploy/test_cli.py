@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -125,3 +127,31 @@ def test_up_stops_everything_and_exits_0_on_sigterm(ray_with_registry, monkeypat
 def test_config_files_in_deploy_are_all_valid(capsys):
     for path in sorted((Path(__file__).resolve().parents[2] / "deploy" / "configs").glob("*.yaml")):
         assert main(["config", "check", str(path)]) == 0, capsys.readouterr().err
+
+
+def test_status_from_another_process_prints_the_table(ray_with_registry):
+    with run_cluster(small_config(), actor_classes=FAKE_CLASSES) as cluster:
+        address = ray.get_runtime_context().gcs_address
+        result = subprocess.run(
+            [sys.executable, "-m", "splitserve.cli", "status", "--address", address],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.splitlines()
+        assert lines[0].startswith("model fake-model (disaggregated) - healthy: prefill 1/1, decode 1/1")
+        assert [line.split()[0] for line in lines[2:]] == ["gateway", "prefill", "decode", "store"]
+        assert cluster.status()["healthy"]  # the other process only disconnected
+
+
+def test_status_without_a_deployment_says_so(ray_with_registry):
+    address = ray.get_runtime_context().gcs_address
+    result = subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", "status", "--address", address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert "no splitserve deployment is running" in result.stderr
