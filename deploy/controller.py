@@ -55,6 +55,10 @@ _DEFAULT_CLASSES = {
 logger = logging.getLogger("splitserve.deploy")
 
 
+class StartError(RuntimeError):
+    """An actor could not be created or its `start()` failed: the message names which."""
+
+
 class PlacementError(RuntimeError):
     """A pool's placement group could not be reserved in time: the cluster lacks the resources."""
 
@@ -284,9 +288,16 @@ class Controller:
 
     async def _started_at(self, member: Member, host: str, port: int) -> str:
         """Call the new actor's `start(host, port)`; mark it healthy; return its address."""
-        address = await self._call(
-            member.handle.start.remote(host, port), self._config.health.start_timeout_s
-        )
+        timeout_s = self._config.health.start_timeout_s
+        try:
+            address = await self._call(member.handle.start.remote(host, port), timeout_s)
+        except asyncio.TimeoutError:
+            raise StartError(
+                f"{member.kind} {member.index}: start() did not return within {timeout_s:g} s "
+                f"(raise health.start_timeout_s if loading the model takes longer)"
+            ) from None
+        except Exception as exc:
+            raise StartError(f"{member.kind} {member.index} failed to start: {_cause(exc)}") from None
         member.healthy, member.error = True, None
         logger.info("%s %d started at %s", member.kind, member.index, address)
         return str(address)
@@ -424,7 +435,10 @@ class Controller:
             cls = self._overrides.get(kind)
             if cls is None:
                 module, name = _DEFAULT_CLASSES[kind]
-                cls = getattr(importlib.import_module(module), name)
+                try:
+                    cls = getattr(importlib.import_module(module), name)
+                except (ImportError, AttributeError) as exc:
+                    raise StartError(f"the {kind} class {module}.{name} is not available: {exc}") from None
             if kind != "gateway_settings" and not isinstance(cls, ray.actor.ActorClass):
                 cls = ray.remote(cls)
             self._classes[kind] = cls

@@ -190,3 +190,15 @@ def fetch_status(address: str | None = None) -> dict[str, Any]:
         return ray.get(controller.status.remote(), timeout=60)  # type: ignore[no-any-return]
     finally:
         ray.shutdown()  # disconnects; the cluster itself keeps running
+
+
+def resize_pool(pool: str, replicas: int, address: str | None = None) -> dict[str, Any]:
+    """Resize a pool of the running deployment from another process (`splitserve resize`)."""
+    try:
+        controller = connect_to_controller(address)
+        try:
+            return ray.get(controller.resize.remote(pool, replicas))  # type: ignore[no-any-return]
+        except ray.exceptions.RayTaskError as exc:
+            raise ClusterError(_cause(exc)) from None
+    finally:
+        ray.shutdown()

@@ -137,6 +137,25 @@ def _run_status(args: argparse.Namespace) -> int:
     return 0 if status["healthy"] else 3
 
 
+def _add_resize_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("pool", help="the pool to resize: prefill or decode")
+    parser.add_argument("replicas", type=int, help="the new number of replicas (at least 1)")
+    _add_address_argument(parser, "the Ray running on this machine")
+
+
+def _run_resize(args: argparse.Namespace) -> int:
+    from deploy.launcher import ClusterError, resize_pool
+    from deploy.report import status_line
+
+    try:
+        status = resize_pool(args.pool, args.replicas, args.address)
+    except ClusterError as exc:
+        print(f"splitserve resize: {exc}", file=sys.stderr)
+        return 1
+    print(status_line(status))
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "make-tiny-model": Command(
         help="write a random tiny kimi_linear checkpoint with its tokenizer",
@@ -153,6 +172,11 @@ COMMANDS: dict[str, Command] = {
         help="show the running deployment's pools, health and load",
         add_arguments=_add_status_arguments,
         run=_run_status,
+    ),
+    "resize": Command(
+        help="change the number of replicas of a running deployment's pool",
+        add_arguments=_add_resize_arguments,
+        run=_run_resize,
     ),
     "config": Command(
         help="check a cluster config file (config check FILE) or print the default (config default)",

@@ -117,3 +117,10 @@ FAKE_CLASSES: dict[str, type] = {
     "gateway": FakeGateway,
     "gateway_settings": FakeSettings,
 }
+
+
+class FailingPrefill(FakePrefill):
+    """A prefill worker whose `start()` fails, as one whose checkpoint is missing would."""
+
+    def start(self, host: str, port: int = 0) -> str:
+        raise FileNotFoundError("/models/missing/config.json")

@@ -132,26 +132,29 @@ def test_config_files_in_deploy_are_all_valid(capsys):
 def test_status_from_another_process_prints_the_table(ray_with_registry):
     with run_cluster(small_config(), actor_classes=FAKE_CLASSES) as cluster:
         address = ray.get_runtime_context().gcs_address
-        result = subprocess.run(
-            [sys.executable, "-m", "splitserve.cli", "status", "--address", address],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        result = splitserve("status", "--address", address)
         assert result.returncode == 0, result.stderr
         lines = result.stdout.splitlines()
         assert lines[0].startswith("model fake-model (disaggregated) - healthy: prefill 1/1, decode 1/1")
         assert [line.split()[0] for line in lines[2:]] == ["gateway", "prefill", "decode", "store"]
         assert cluster.status()["healthy"]  # the other process only disconnected
 
+        resize = splitserve("resize", "decode", "2", "--address", address)
+        assert resize.returncode == 0, resize.stderr
+        assert "decode 2/2" in resize.stdout
+        assert len(cluster.status()["pools"]["decode"]["addresses"]) == 2
+        refused = splitserve("resize", "decode", "0", "--address", address)
+        assert refused.returncode == 1 and "at least 1 replica" in refused.stderr
+
 
 def test_status_without_a_deployment_says_so(ray_with_registry):
     address = ray.get_runtime_context().gcs_address
-    result = subprocess.run(
-        [sys.executable, "-m", "splitserve.cli", "status", "--address", address],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = splitserve("status", "--address", address)
     assert result.returncode == 1
     assert "no splitserve deployment is running" in result.stderr
+
+
+def splitserve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", *args], capture_output=True, text=True, timeout=120
+    )

@@ -10,7 +10,7 @@ import ray
 from ray.util.placement_group import placement_group_table
 
 from deploy.launcher import ClusterError, ClusterHandle, run_cluster
-from tests.deploy.fakes import FAKE_CLASSES, REGISTRY_NAME, REGISTRY_NAMESPACE, Registry
+from tests.deploy.fakes import FAKE_CLASSES, REGISTRY_NAME, REGISTRY_NAMESPACE, FailingPrefill, Registry
 from tests.deploy.helpers import is_dead, is_dead_controller, small_config, wait_until
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -214,3 +214,11 @@ def test_real_store_and_workers_start_report_load_and_restart(registry):
             lambda: events(registry, "update_workers")[-1] == ("update_workers", prefill, pool["addresses"]),
             what="the gateway to hear the new decode address",
         )
+
+
+def test_a_worker_that_fails_to_start_fails_the_launch_naming_it_and_leaves_nothing(registry):
+    with pytest.raises(ClusterError, match=r"prefill 0 failed to start: FileNotFoundError: /models/missing"):
+        run_cluster(small_config(), actor_classes={**FAKE_CLASSES, "prefill": FailingPrefill})
+    assert is_dead_controller() and live_groups() == []
+    handles = [h for _, _, h in ray.get(registry.get_handles.remote())]
+    assert handles and all(is_dead(h) for h in handles)
