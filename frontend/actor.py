@@ -1,0 +1,67 @@
+"""The gateway as a Ray actor (no GPU): start, resize its worker pools live, report, stop.
+
+`GatewayActor` is a plain class, so it also runs in a plain process; `remote_gateway_actor()`
+wraps it with `ray.remote(num_gpus=0)`. This module imports ray only inside that function and
+never torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from frontend.app import build_app
+from frontend.router import LeastLoadRouter
+from frontend.server import GatewayServer
+from frontend.settings import GatewaySettings
+
+
+class GatewayActor:
+    """Owns one gateway: its router (pools), its app and the server thread serving it."""
+
+    def __init__(
+        self,
+        settings: GatewaySettings | dict[str, Any],
+        prefill_addresses: Sequence[str] = (),
+        decode_addresses: Sequence[str] = (),
+    ) -> None:
+        self.settings = settings if isinstance(settings, GatewaySettings) else GatewaySettings(**settings)
+        self.router = LeastLoadRouter(prefill_addresses, decode_addresses)
+        self.app = build_app(self.settings, self.settings.model_path, self.router)
+        self._server: GatewayServer | None = None
+
+    def start(self, host: str | None = None, port: int | None = None) -> str:
+        """Serve on host:port (settings' by default; port 0 = any free one); returns host:port."""
+        if self._server is not None and self._server.running:
+            return self._server.address
+        host = self.settings.host if host is None else host
+        port = self.settings.port if port is None else port
+        self._server = GatewayServer(self.app, host, port)
+        return self._server.start()
+
+    def update_workers(self, prefill_addresses: Sequence[str], decode_addresses: Sequence[str]) -> None:
+        self.router.update_workers(list(prefill_addresses), list(decode_addresses))
+
+    def health(self) -> dict[str, Any]:
+        num_prefill = len(self.router.prefill_addresses)
+        num_decode = len(self.router.decode_addresses)
+        return {
+            "serving": self._server is not None and self._server.running,
+            "address": self._server.address if self._server is not None else None,
+            "prefill_workers": num_prefill,
+            "decode_workers": num_decode,
+            "ready": num_prefill > 0 and num_decode > 0,
+        }
+
+    def shutdown(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+
+def remote_gateway_actor(**ray_options: Any) -> Any:
+    """`GatewayActor` as a Ray actor class with no GPU (`num_cpus` etc. may be passed)."""
+    import ray
+
+    options = {"num_gpus": 0, **ray_options}
+    return ray.remote(**options)(GatewayActor)

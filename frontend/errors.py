@@ -1,0 +1,112 @@
+"""OpenAI-shaped errors and the FastAPI handlers that make every failure one of them.
+
+Every error body is `{"error": {"message", "type", "param", "code"}}`; nothing leaves the
+gateway as a bare 500 or as FastAPI's own `{"detail": ...}` shape.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable_error",
+}
+
+
+class GatewayError(Exception):
+    """A failure with the HTTP status and OpenAI error fields the client should see."""
+
+    def __init__(self, status_code: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, dict[str, str | int | None]]:
+        return error_body(self.status_code, self.message, self.param, self.code)
+
+
+def error_body(
+    status_code: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, dict[str, str | int | None]]:
+    error_type = _TYPES.get(status_code, "invalid_request_error" if status_code < 500 else "server_error")
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code or status_code}}
+
+
+def bad_request(message: str, param: str | None = None) -> GatewayError:
+    return GatewayError(400, message, param)
+
+
+def unauthorized(
+    message: str = "missing or invalid API key; send 'Authorization: Bearer <key>'",
+) -> GatewayError:
+    return GatewayError(401, message, code="invalid_api_key")
+
+
+def model_not_found(model: str, served: str) -> GatewayError:
+    return GatewayError(
+        404, f"the model '{model}' does not exist; this server serves '{served}'", "model", "model_not_found"
+    )
+
+
+def over_capacity(message: str) -> GatewayError:
+    return GatewayError(429, message, code="over_capacity")
+
+
+def unavailable(message: str) -> GatewayError:
+    return GatewayError(503, message, code="service_unavailable")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map gateway errors, request validation, unknown routes and crashes to OpenAI JSON."""
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(validation_error(exc).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error in the gateway")
+        body = error_body(500, f"internal error in the gateway: {type(exc).__name__}: {exc}")
+        return JSONResponse(body, status_code=500)
+
+
+def validation_error(exc: RequestValidationError) -> GatewayError:
+    """One 400 naming the first bad field (`messages.0.content`) and what was wrong with it."""
+    errors = exc.errors()
+    if not errors:
+        return bad_request("invalid request body")
+    first = errors[0]
+    location = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_type_tag(part)]
+    param = ".".join(location) or None
+    message = str(first.get("msg", "invalid value"))
+    if isinstance(first.get("ctx"), dict) and isinstance(first["ctx"].get("error"), ValueError):
+        message = str(first["ctx"]["error"])
+    return bad_request(f"{param}: {message}" if param else message, param)
+
+
+def _is_type_tag(part: object) -> bool:
+    """pydantic names the union member that failed in the location (`stop.str`); drop it."""
+    return isinstance(part, str) and (part in {"str", "int", "float", "bool", "list", "dict"} or "[" in part)

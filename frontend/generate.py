@@ -1,0 +1,295 @@
+"""One prompt's trip through the workers: Reserve → Prefill → Decode stream → detokenized steps.
+
+`Generation` owns every resource the request holds on a worker. Its caller runs
+`start()` then `next()` until a step carries a finish reason, and calls `release()` in a
+`finally` whatever happened: release aborts what is still held (the reservation, a prefill in
+flight, a decode stream) and is shielded from cancellation, so a client that disconnects
+frees everything on the workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import anyio
+
+from frontend.clients import DecodeStream, WorkerClients
+from frontend.errors import GatewayError, over_capacity, unavailable
+from frontend.metrics import GatewayMetrics
+from frontend.router import Router
+from frontend.settings import GatewaySettings
+from proto import common_pb2, decode_pb2, prefill_pb2
+from splitserve.detokenizer import IncrementalDetokenizer
+from splitserve.sampling_params import SamplingParams
+from splitserve.tokenizer import Tokenizer
+from splitserve.wire import FINISH_FROM_PROTO, sampling_params_to_proto
+
+logger = logging.getLogger(__name__)
+
+# One output position's logprobs: (token id, logprob) pairs, the sampled token first.
+TokenLogprobs = list[tuple[int, float]]
+
+
+@dataclass
+class Step:
+    """What one worker message adds to the output, after stop strings are applied."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class Pipeline:
+    """Everything a generation needs from the gateway; built once per app."""
+
+    settings: GatewaySettings
+    router: Router
+    clients: WorkerClients
+    metrics: GatewayMetrics
+    tokenizer: Tokenizer | None
+    on_route: Callable[[str], None] = field(default=lambda store_address: None)
+
+
+class Generation:
+    """One prompt, one choice. Not reusable; not safe to drive from two tasks at once."""
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        arrival_s: float,
+    ) -> None:
+        self.p = pipeline
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.arrival_s = arrival_s
+        self.deadline_s = arrival_s + pipeline.settings.request_timeout_s
+        self.num_generated_tokens = 0
+        self.num_cached_tokens = 0
+        self.finish_reason: str | None = None
+        self._decode_address: str | None = None
+        self._prefill_address: str | None = None
+        self._holds_reservation = False
+        self._prefill_in_flight = False
+        self._stream: DecodeStream | None = None
+        self._last_token_s = arrival_s
+        self._transfer_s = 0.0
+        self._released = False
+        self._detok = (
+            IncrementalDetokenizer(
+                pipeline.tokenizer,
+                prompt_ids,
+                stop=params.stop,
+                skip_special_tokens=params.skip_special_tokens,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+            if pipeline.tokenizer is not None
+            else None
+        )
+        pipeline.metrics.running.labels(pipeline.metrics.model_name).inc()
+
+    # The flow ---------------------------------------------------------------------------------
+
+    async def start(self) -> Step:
+        """Reserve a decode slot, run the prefill; the first step (maybe already final)."""
+        decode_candidates = self.p.router.rank_decode(len(self.prompt_ids), self.params.max_tokens or 0)
+        prefill_address = self.p.router.pick_prefill(len(self.prompt_ids))
+        if not decode_candidates:
+            raise unavailable("no decode workers are available; try again later")
+        if prefill_address is None:
+            raise unavailable("no prefill workers are available; try again later")
+        reservation = await self._reserve(decode_candidates)
+        response = await self._prefill(prefill_address, reservation)
+        self.num_cached_tokens = response.num_cached_tokens
+        timing = response.timing
+        self.p.metrics.queue.labels(self.p.metrics.model_name, "prefill").observe(timing.queue_s)
+        step = self._step(
+            [response.first_token_id],
+            [response.first_logprobs] if response.HasField("first_logprobs") else [],
+            FINISH_FROM_PROTO.get(response.finish_reason),
+            response.stop_token_id if response.HasField("stop_token_id") else None,
+        )
+        now = time.monotonic()
+        self.p.metrics.ttft.labels(self.p.metrics.model_name).observe(now - self.arrival_s)
+        self._last_token_s = now
+        self._transfer_s = timing.state_put_s
+        if step.finish_reason is None:
+            request = decode_pb2.DecodeRequest(
+                request_id=self.request_id,
+                prompt_token_ids=self.prompt_ids,
+                sampling_params=sampling_params_to_proto(self.params),
+                first_token_id=response.first_token_id,
+                first_logprobs=response.first_logprobs,
+                state=response.state,
+            )
+            assert self._decode_address is not None
+            self._stream = self.p.clients.decode(self._decode_address, request, self._remaining_s())
+            self._holds_reservation = False
+        else:
+            await self._release_decode()
+        return step
+
+    async def next(self) -> Step:
+        """The next decode step; raises GatewayError when the stream breaks."""
+        assert self._stream is not None and self.finish_reason is None, "next() after the last step"
+        delta = await self._stream.read()
+        if delta is None:
+            raise unavailable(
+                f"decode worker {self._decode_address} ended the stream without a finish reason"
+            )
+        now = time.monotonic()
+        if delta.token_ids:
+            gap_s = (now - self._last_token_s) / len(delta.token_ids)
+            for _ in delta.token_ids:
+                self.p.metrics.itl.labels(self.p.metrics.model_name).observe(gap_s)
+            self._last_token_s = now
+        if delta.HasField("timing") and (delta.timing.queue_s or delta.timing.state_wait_s):
+            self.p.metrics.queue.labels(self.p.metrics.model_name, "decode").observe(delta.timing.queue_s)
+            self.p.metrics.transfer_s.labels(self.p.metrics.model_name).observe(
+                self._transfer_s + delta.timing.state_wait_s
+            )
+        step = self._step(
+            list(delta.token_ids),
+            list(delta.logprobs),
+            FINISH_FROM_PROTO.get(delta.finish_reason),
+            delta.stop_token_id if delta.HasField("stop_token_id") else None,
+        )
+        if step.finish_reason is not None:
+            if delta.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+                await self._release_decode()  # a stop string ended it here, not on the worker
+            self._stream = None
+        return step
+
+    async def release(self, error: bool = False) -> None:
+        """Abort whatever this request still holds on any worker; idempotent, never raises."""
+        if self._released:
+            return
+        self._released = True
+        # Metrics first: once a worker sees the abort, the request is already counted.
+        reason = self.finish_reason or ("error" if error else "abort")
+        metrics = self.p.metrics
+        metrics.running.labels(metrics.model_name).dec()
+        metrics.observe_finished(reason, len(self.prompt_ids), self.num_generated_tokens)
+        metrics.cached_tokens.labels(metrics.model_name).inc(self.num_cached_tokens)
+        if self.finish_reason is not None:
+            metrics.e2e.labels(metrics.model_name).observe(time.monotonic() - self.arrival_s)
+        with anyio.CancelScope(shield=True):
+            if self._prefill_in_flight and self._prefill_address is not None:
+                await self._quietly(self.p.clients.abort_prefill(self._prefill_address, self.request_id))
+            await self._release_decode()
+
+    # Pieces -----------------------------------------------------------------------------------
+
+    async def _reserve(self, candidates: list[str]) -> decode_pb2.ReserveResponse:
+        request = decode_pb2.ReserveRequest(
+            request_id=self.request_id,
+            num_prompt_tokens=len(self.prompt_ids),
+            timeout_s=self.p.settings.reserve_timeout_s,
+        )
+        if self.params.max_tokens is not None:
+            request.max_tokens = self.params.max_tokens
+        rejections: list[str] = []
+        failures: list[str] = []
+        for address in candidates:
+            try:
+                response = await self.p.clients.reserve(address, request)
+            except GatewayError as exc:
+                if exc.status_code != 503:
+                    raise
+                failures.append(exc.message)
+                continue
+            if response.accepted:
+                self._decode_address = address
+                self._holds_reservation = True
+                self.p.router.on_decode_reserved(address)
+                self.p.on_route(response.store_address)
+                return response
+            rejections.append(f"{address}: {response.reject_reason or 'rejected'}")
+        if rejections:
+            raise over_capacity("every decode worker is full (" + "; ".join(rejections) + "); retry later")
+        raise unavailable("no decode worker could be reached: " + "; ".join(failures))
+
+    async def _prefill(
+        self, address: str, reservation: decode_pb2.ReserveResponse
+    ) -> prefill_pb2.PrefillResponse:
+        request = prefill_pb2.PrefillRequest(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_ids,
+            sampling_params=sampling_params_to_proto(self.params),
+            store_address=reservation.store_address,
+            state_key=reservation.state_key,
+            state_owner=reservation.state_owner,
+            lease_s=self.p.settings.state_lease_s,
+        )
+        self._prefill_address = address
+        self._prefill_in_flight = True
+        self.p.router.on_prefill_start(address, len(self.prompt_ids))
+        try:
+            response = await self.p.clients.prefill(address, request, self._remaining_s())
+            self._prefill_in_flight = False
+            return response
+        finally:
+            self.p.router.on_prefill_end(address, len(self.prompt_ids))
+
+    def _step(
+        self,
+        token_ids: list[int],
+        logprobs: list[common_pb2.TokenLogprobs],
+        finish_reason: str | None,
+        stop_token_id: int | None,
+    ) -> Step:
+        """Detokenize, apply stop strings, count; tokens after a stop string are dropped."""
+        pairs = (
+            [list(zip(lp.token_ids, lp.logprobs)) for lp in logprobs]
+            if self.params.logprobs is not None
+            else None
+        )
+        stop_reason: int | str | None = stop_token_id
+        text = ""
+        if self._detok is not None:
+            hidden = 1 if stop_token_id is not None and not self.params.include_stop_str_in_output else 0
+            visible = token_ids[: len(token_ids) - hidden]
+            before = len(self._detok.ids)
+            text = self._detok.push(visible)
+            if self._detok.stop_reason is not None:
+                token_ids = token_ids[: len(self._detok.ids) - before]
+                finish_reason, stop_reason = "stop", self._detok.stop_reason
+            elif finish_reason is not None:
+                text += self._detok.flush()
+        if pairs is not None:
+            pairs = pairs[: len(token_ids)]
+        self.num_generated_tokens += len(token_ids)
+        self.finish_reason = finish_reason
+        return Step(token_ids, text, pairs, finish_reason, stop_reason if finish_reason else None)
+
+    async def _release_decode(self) -> None:
+        """Abort the reservation or the decode stream, if either is still held."""
+        stream, self._stream = self._stream, None
+        held = self._holds_reservation or stream is not None
+        self._holds_reservation = False
+        if stream is not None:
+            stream.cancel()
+        if held and self._decode_address is not None:
+            with anyio.CancelScope(shield=True):
+                await self._quietly(self.p.clients.abort_decode(self._decode_address, self.request_id))
+
+    async def _quietly(self, call: object) -> None:
+        try:
+            await call  # type: ignore[misc]
+        except GatewayError as exc:
+            logger.warning("request %s: cleanup failed: %s", self.request_id, exc.message)
+
+    def _remaining_s(self) -> float:
+        remaining = self.deadline_s - time.monotonic()
+        if remaining <= 0:
+            raise GatewayError(503, f"request timed out after {self.p.settings.request_timeout_s:g} s")
+        return remaining

@@ -1,0 +1,79 @@
+"""From a request to prompt token ids and a token budget, with every check before a worker.
+
+Text is tokenized here (the chat template rendered first); token ids are taken as they are.
+The context check names both numbers, as a user needs to fix the request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jinja2
+
+from frontend.errors import bad_request
+from splitserve.tokenizer import Tokenizer
+
+
+def require_tokenizer(tokenizer: Tokenizer | None, what: str) -> Tokenizer:
+    if tokenizer is None:
+        raise bad_request(
+            f"this model has no tokenizer.json, so {what} cannot be used; send token ids instead"
+        )
+    return tokenizer
+
+
+def tokenize_prompt(prompt: str | list[int], tokenizer: Tokenizer | None) -> list[int]:
+    """Token ids of one completions prompt; ids are range-checked when the vocabulary is known."""
+    if isinstance(prompt, str):
+        return require_tokenizer(tokenizer, "text prompts").encode(prompt, add_special_tokens=True)
+    ids = list(prompt)
+    if tokenizer is not None:
+        vocab_size = tokenizer.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise bad_request(
+                f"prompt token id {bad[0]} is out of range; the vocabulary has {vocab_size}", "prompt"
+            )
+    elif any(t < 0 for t in ids):
+        raise bad_request("prompt token ids must be non-negative", "prompt")
+    return ids
+
+
+def tokenize_chat(
+    messages: list[dict[str, Any]],
+    tokenizer: Tokenizer | None,
+    add_generation_prompt: bool,
+    template_kwargs: dict[str, Any] | None,
+) -> list[int]:
+    """Render the chat template and tokenize it (the template carries its own special tokens)."""
+    tokenizer = require_tokenizer(tokenizer, "chat messages")
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
+        )
+    except (ValueError, TypeError, jinja2.TemplateError) as exc:
+        raise bad_request(f"could not render the chat template: {exc}", "messages") from exc
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise bad_request("the rendered chat prompt is empty", "messages")
+    return ids
+
+
+def token_budget(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """max_tokens to run with: as asked, or what is left of the context when not asked."""
+    if num_prompt_tokens >= max_model_len:
+        raise bad_request(
+            f"prompt has {num_prompt_tokens} tokens; this model's context is {max_model_len} tokens "
+            "and must leave room for at least one generated token",
+            "prompt",
+        )
+    room = max_model_len - num_prompt_tokens
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        raise bad_request(
+            f"prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}, "
+            f"{num_prompt_tokens + max_tokens} in all; this model's context is {max_model_len} tokens",
+            "max_tokens",
+        )
+    return max_tokens

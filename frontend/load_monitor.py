@@ -1,0 +1,100 @@
+"""Keeps the router's view of decode load fresh and the store gauges filled.
+
+One background task per app: every `stats_refresh_s`, or sooner after a routing decision
+(`kick()`), it reads `Decode.Stats` from every decode worker and `StateStore.Stats` from every
+store a reservation has named. A worker that does not answer is reported as unmeasurable to
+the router, which then tries it last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from frontend.clients import WorkerClients
+from frontend.errors import GatewayError
+from frontend.metrics import GatewayMetrics
+from frontend.router import DecodeLoad, Router
+
+logger = logging.getLogger(__name__)
+
+
+class LoadMonitor:
+    """Owns the refresh task; `start()`/`stop()` run on the app's event loop."""
+
+    def __init__(
+        self, router: Router, clients: WorkerClients, metrics: GatewayMetrics, refresh_s: float
+    ) -> None:
+        self.router = router
+        self.clients = clients
+        self.metrics = metrics
+        self.refresh_s = refresh_s
+        self.store_addresses: set[str] = set()
+        self._kick: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.num_refreshes = 0
+
+    def start(self) -> None:
+        self._kick = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def kick(self) -> None:
+        """Refresh soon: a decision just changed some worker's load."""
+        if self._kick is not None:
+            self._kick.set()
+
+    def saw_store(self, address: str) -> None:
+        if address:
+            self.store_addresses.add(address)
+
+    async def refresh(self) -> None:
+        decode = self.router.decode_addresses
+        self.metrics.set_workers(len(self.router.prefill_addresses), len(decode))
+        await asyncio.gather(
+            *(self._refresh_decode(a) for a in decode), *map(self._refresh_store, self.store_addresses)
+        )
+        self.num_refreshes += 1
+
+    async def _run(self) -> None:
+        assert self._kick is not None
+        while True:
+            try:
+                await self.refresh()
+            except Exception:  # the monitor must outlive any one bad answer
+                logger.exception("load refresh failed")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._kick.wait(), timeout=self.refresh_s)
+            self._kick.clear()
+
+    async def _refresh_decode(self, address: str) -> None:
+        try:
+            stats = await self.clients.decode_stats(address)
+        except GatewayError as exc:
+            logger.debug("Decode.Stats on %s failed: %s", address, exc.message)
+            self.router.observe_decode_load(address, None)
+            return
+        self.router.observe_decode_load(
+            address,
+            DecodeLoad(
+                num_free_kv_blocks=stats.num_free_kv_blocks,
+                num_total_kv_blocks=stats.num_total_kv_blocks,
+                num_free_state_slots=stats.num_free_state_slots,
+                num_total_state_slots=stats.num_total_state_slots,
+            ),
+        )
+
+    async def _refresh_store(self, address: str) -> None:
+        try:
+            stats = await self.clients.store_stats(address)
+        except GatewayError as exc:
+            logger.debug("StateStore.Stats on %s failed: %s", address, exc.message)
+            return
+        for tier in stats.tiers:
+            self.metrics.set_store_usage(address, tier.name, tier.num_bytes, tier.capacity_bytes)

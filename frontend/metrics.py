@@ -1,0 +1,120 @@
+"""The gateway's Prometheus metrics, on a registry of its own (several apps may share a process).
+
+Latencies are measured at the gateway (what a client sees); queue and transfer times come from
+the workers' own timings in the Prefill response and the first decode delta.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TOKEN_BUCKETS = (1, 8, 32, 128, 512, 2048, 8192, 32768, 131072)
+
+
+class GatewayMetrics:
+    """Owns the registry and every series; `render()` is the /metrics body."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+
+        def histogram(
+            name: str, doc: str, buckets: tuple[float, ...], extra: tuple[str, ...] = ()
+        ) -> Histogram:
+            return Histogram(name, doc, [*labels, *extra], buckets=buckets, registry=self.registry)
+
+        self.ttft = histogram(
+            "splitserve_time_to_first_token_seconds", "Arrival to first token", _LATENCY_BUCKETS_S
+        )
+        self.itl = histogram(
+            "splitserve_inter_token_latency_seconds", "Gap between output tokens", _LATENCY_BUCKETS_S
+        )
+        self.e2e = histogram(
+            "splitserve_e2e_request_latency_seconds", "Arrival to last token", _LATENCY_BUCKETS_S
+        )
+        self.queue = histogram(
+            "splitserve_queue_time_seconds", "Time queued on a worker", _LATENCY_BUCKETS_S, ("phase",)
+        )
+        self.transfer_s = histogram(
+            "splitserve_state_transfer_seconds",
+            "State handoff not overlapped with compute (prefill put tail + decode wait)",
+            _LATENCY_BUCKETS_S,
+        )
+        self.prompt_tokens_hist = histogram(
+            "splitserve_request_prompt_tokens", "Prompt tokens", _TOKEN_BUCKETS
+        )
+        self.generation_tokens_hist = histogram(
+            "splitserve_request_generation_tokens", "Generated tokens", _TOKEN_BUCKETS
+        )
+        self.prompt_tokens = Counter(
+            "splitserve_prompt_tokens", "Prompt tokens processed", labels, registry=self.registry
+        )
+        self.cached_tokens = Counter(
+            "splitserve_prefix_cached_tokens",
+            "Prompt tokens served from the prefix cache",
+            labels,
+            registry=self.registry,
+        )
+        self.generation_tokens = Counter(
+            "splitserve_generation_tokens", "Tokens generated", labels, registry=self.registry
+        )
+        self.requests = Counter(
+            "splitserve_request_success",
+            "Finished generations by finish reason (stop, length, abort, error)",
+            [*labels, "finish_reason"],
+            registry=self.registry,
+        )
+        self.responses = Counter(
+            "splitserve_http_responses",
+            "HTTP responses by route and status code",
+            [*labels, "route", "status_code"],
+            registry=self.registry,
+        )
+        self.running = Gauge(
+            "splitserve_num_requests_running", "Generations in flight", labels, registry=self.registry
+        )
+        self.workers = Gauge(
+            "splitserve_num_workers", "Workers known to the router", [*labels, "role"], registry=self.registry
+        )
+        self.store_bytes = Gauge(
+            "splitserve_store_usage_bytes",
+            "State store bytes in use",
+            ["store", "tier"],
+            registry=self.registry,
+        )
+        self.store_capacity = Gauge(
+            "splitserve_store_capacity_bytes",
+            "State store capacity",
+            ["store", "tier"],
+            registry=self.registry,
+        )
+
+    def labels(self) -> dict[str, str]:
+        return {"model_name": self.model_name}
+
+    def observe_finished(self, finish_reason: str, num_prompt_tokens: int, num_generated_tokens: int) -> None:
+        self.requests.labels(self.model_name, finish_reason).inc()
+        self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
+        self.generation_tokens.labels(self.model_name).inc(num_generated_tokens)
+        self.prompt_tokens_hist.labels(self.model_name).observe(num_prompt_tokens)
+        self.generation_tokens_hist.labels(self.model_name).observe(num_generated_tokens)
+
+    def observe_response(self, route: str, status_code: int) -> None:
+        self.responses.labels(self.model_name, route, str(status_code)).inc()
+
+    def set_workers(self, num_prefill: int, num_decode: int) -> None:
+        self.workers.labels(self.model_name, "prefill").set(num_prefill)
+        self.workers.labels(self.model_name, "decode").set(num_decode)
+
+    def set_store_usage(self, store: str, tier: str, num_bytes: int, capacity_bytes: int) -> None:
+        """Hook for whoever reads store Stats (the gateway's refresher, or a controller)."""
+        self.store_bytes.labels(store, tier).set(num_bytes)
+        self.store_capacity.labels(store, tier).set(capacity_bytes)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,165 @@
+"""Which workers a request goes to: the `Router` contract and the least-load policy.
+
+A router only decides; it never talks to a worker. The app feeds it what it learns (decode
+Stats, prefill starts and ends) and asks it for candidates in order of preference.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DecodeLoad:
+    """A decode worker's free room, as its last `Decode.Stats` reported it."""
+
+    num_free_kv_blocks: int
+    num_total_kv_blocks: int
+    num_free_state_slots: int
+    num_total_state_slots: int
+
+    def free_fraction(self) -> float:
+        """Free share of the tighter of the two resources (1.0 = idle, 0.0 = full)."""
+        kv = self.num_free_kv_blocks / self.num_total_kv_blocks if self.num_total_kv_blocks > 0 else 0.0
+        slots = (
+            self.num_free_state_slots / self.num_total_state_slots if self.num_total_state_slots > 0 else 0.0
+        )
+        return min(kv, slots)
+
+
+class Router(ABC):
+    """Picks workers for a request.
+
+    Contract: thread-safe (`update_workers` may come from a controller thread while the event
+    loop routes); cheap (no I/O, called on every request); a worker not in the current pools is
+    never returned. `rank_decode` returns every known decode worker, best first, so the caller
+    can fall back when one rejects its reservation.
+    """
+
+    @abstractmethod
+    def update_workers(self, prefill_addresses: Sequence[str], decode_addresses: Sequence[str]) -> None: ...
+
+    @property
+    @abstractmethod
+    def prefill_addresses(self) -> tuple[str, ...]: ...
+
+    @property
+    @abstractmethod
+    def decode_addresses(self) -> tuple[str, ...]: ...
+
+    @abstractmethod
+    def pick_prefill(self, num_prompt_tokens: int) -> str | None:
+        """The prefill worker for a prompt, or None when the pool is empty."""
+
+    @abstractmethod
+    def rank_decode(self, num_prompt_tokens: int, max_tokens: int) -> list[str]:
+        """Decode workers to try for a reservation, best first."""
+
+    def on_prefill_start(self, address: str, num_prompt_tokens: int) -> None:  # noqa: B027
+        """A prompt was sent to `address`."""
+
+    def on_prefill_end(self, address: str, num_prompt_tokens: int) -> None:  # noqa: B027
+        """The prompt sent to `address` finished (or failed)."""
+
+    def on_decode_reserved(self, address: str) -> None:  # noqa: B027
+        """A reservation on `address` was accepted."""
+
+    def observe_decode_load(self, address: str, load: DecodeLoad | None) -> None:  # noqa: B027
+        """Fresh Stats from `address`; None when it did not answer."""
+
+
+class LeastLoadRouter(Router):
+    """Prefill: fewest outstanding prompt tokens sent by this gateway. Decode: most free room.
+
+    Decode room is the free share of the tighter resource (KV blocks or state slots) from the
+    last Stats, lowered locally by one slot per accepted reservation until the next Stats.
+    Workers that did not answer their last Stats go last; workers never measured go first
+    (optimistic, so a new replica gets traffic). Ties rotate round-robin.
+    """
+
+    def __init__(self, prefill_addresses: Sequence[str] = (), decode_addresses: Sequence[str] = ()) -> None:
+        self._lock = threading.Lock()
+        self._prefill: tuple[str, ...] = ()
+        self._decode: tuple[str, ...] = ()
+        self._outstanding: dict[str, int] = {}
+        self._loads: dict[str, DecodeLoad | None] = {}
+        self._reserved_since_stats: dict[str, int] = {}
+        self._tiebreak = itertools.count()
+        self.update_workers(prefill_addresses, decode_addresses)
+
+    def update_workers(self, prefill_addresses: Sequence[str], decode_addresses: Sequence[str]) -> None:
+        with self._lock:
+            self._prefill = tuple(dict.fromkeys(prefill_addresses))
+            self._decode = tuple(dict.fromkeys(decode_addresses))
+            self._outstanding = {a: self._outstanding.get(a, 0) for a in self._prefill}
+            self._loads = {a: self._loads[a] for a in self._decode if a in self._loads}
+            self._reserved_since_stats = {a: self._reserved_since_stats.get(a, 0) for a in self._decode}
+
+    @property
+    def prefill_addresses(self) -> tuple[str, ...]:
+        return self._prefill
+
+    @property
+    def decode_addresses(self) -> tuple[str, ...]:
+        return self._decode
+
+    def pick_prefill(self, num_prompt_tokens: int) -> str | None:
+        with self._lock:
+            if not self._prefill:
+                return None
+            offset = next(self._tiebreak)
+            n = len(self._prefill)
+            order = [self._prefill[(offset + i) % n] for i in range(n)]
+            return min(order, key=lambda a: self._outstanding.get(a, 0))
+
+    def rank_decode(self, num_prompt_tokens: int, max_tokens: int) -> list[str]:
+        with self._lock:
+            n = len(self._decode)
+            if n == 0:
+                return []
+            offset = next(self._tiebreak)
+            order = [self._decode[(offset + i) % n] for i in range(n)]
+            return sorted(order, key=self._decode_key)
+
+    def _decode_key(self, address: str) -> tuple[int, float]:
+        if address not in self._loads:
+            return (0, -1.0)
+        load = self._loads[address]
+        if load is None:
+            return (2, 0.0)
+        reserved = self._reserved_since_stats.get(address, 0)
+        slots_left = load.num_free_state_slots - reserved
+        if slots_left <= 0 or load.num_free_kv_blocks <= 0:
+            return (1, 0.0)
+        adjusted = DecodeLoad(
+            load.num_free_kv_blocks, load.num_total_kv_blocks, slots_left, load.num_total_state_slots
+        )
+        return (0, -adjusted.free_fraction())
+
+    def on_prefill_start(self, address: str, num_prompt_tokens: int) -> None:
+        with self._lock:
+            if address in self._outstanding:
+                self._outstanding[address] += num_prompt_tokens
+
+    def on_prefill_end(self, address: str, num_prompt_tokens: int) -> None:
+        with self._lock:
+            if address in self._outstanding:
+                self._outstanding[address] = max(0, self._outstanding[address] - num_prompt_tokens)
+
+    def on_decode_reserved(self, address: str) -> None:
+        with self._lock:
+            if address in self._reserved_since_stats:
+                self._reserved_since_stats[address] += 1
+
+    def observe_decode_load(self, address: str, load: DecodeLoad | None) -> None:
+        with self._lock:
+            if address in self._reserved_since_stats:
+                self._loads[address] = load
+                self._reserved_since_stats[address] = 0
+
+    def outstanding_prefill_tokens(self, address: str) -> int:
+        return self._outstanding.get(address, 0)

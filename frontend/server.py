@@ -1,0 +1,90 @@
+"""Runs the gateway app under uvicorn on a background thread, startable and stoppable in-process.
+
+Used by the Ray actor and by tests: `start()` returns once the socket is bound (port 0 picks a
+free port; `address` says which), `stop()` returns once the server has shut down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import uvicorn
+from fastapi import FastAPI
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling a thread when its sockets are bound."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.bound = threading.Event()
+
+    def install_signal_handlers(self) -> None:  # not the main thread; the owner stops us
+        pass
+
+    async def startup(self, sockets: list | None = None) -> None:  # type: ignore[type-arg]
+        try:
+            await super().startup(sockets)
+        finally:
+            self.bound.set()
+
+
+class GatewayServer:
+    """Owns one uvicorn server and the thread running its event loop."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.app = app
+        self.host = host
+        self.port = port
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def address(self) -> str:
+        """host:port actually bound."""
+        return f"{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+    def start(self, timeout_s: float = 30.0) -> str:
+        if self._thread is not None:
+            raise RuntimeError(f"gateway already running on {self.address}")
+        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", lifespan="on")
+        self._server = server = _Server(config)
+        self._thread = threading.Thread(target=self._run, name="gateway-uvicorn", daemon=True)
+        self._thread.start()
+        if not server.bound.wait(timeout_s):
+            raise TimeoutError(f"gateway did not bind {self.host}:{self.port} within {timeout_s:g} s")
+        if not server.started:
+            self.stop()
+            raise RuntimeError(f"gateway failed to start on {self.host}:{self.port}: {self._error}")
+        self.port = server.servers[0].sockets[0].getsockname()[1]
+        return self.address
+
+    def _run(self) -> None:
+        assert self._server is not None
+        try:
+            asyncio.run(self._server.serve())
+        except BaseException as exc:  # reported by start(); a thread has nowhere else to put it
+            self._error = exc
+        finally:
+            self._server.bound.set()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        server, thread = self._server, self._thread
+        if server is None or thread is None:
+            return
+        server.should_exit = True
+        thread.join(timeout_s)
+        if thread.is_alive():
+            server.force_exit = True
+            thread.join(timeout_s)
+        self._server = self._thread = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()

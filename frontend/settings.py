@@ -1,0 +1,27 @@
+"""The gateway's settings: one validated, frozen object built once at start."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class GatewaySettings(BaseModel):
+    """What the gateway serves, where it listens and how long it waits.
+
+    `max_model_len` is the context limit the gateway enforces before any worker is touched
+    (prompt plus generated tokens). Times are seconds (`_s`). Frozen: never mutated after load.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+
+    model_name: str = Field("splitserve", min_length=1, description="the served model name (`model` field)")
+    model_path: str | None = Field(None, description="checkpoint folder; its tokenizer.json is loaded")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_keys: tuple[str, ...] = Field((), description="empty: no authentication")
+    max_model_len: int = Field(4096, ge=2)
+    request_timeout_s: float = Field(600.0, gt=0, description="whole request, prefill to last token")
+    rpc_timeout_s: float = Field(10.0, gt=0, description="unary control RPCs: Reserve, Abort, Stats")
+    reserve_timeout_s: float = Field(120.0, gt=0, description="a reservation lapses if no Decode comes")
+    state_lease_s: float = Field(0.0, ge=0, description="lease of transferred state; 0 = store default")
+    stats_refresh_s: float = Field(0.5, gt=0, description="how often decode Stats are re-read")

@@ -1,0 +1,226 @@
+"""Every failure leaves as OpenAI JSON with the right status, and before any worker is touched."""
+
+from __future__ import annotations
+
+import socket
+
+import grpc
+import openai
+import pytest
+
+from tests.frontend.conftest import MODEL, Gateway, running_gateway
+
+
+def _error(response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"}, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+def _assert_no_worker_touched(gateway: Gateway) -> None:
+    assert gateway.decode.reserves == [] and gateway.prefill.requests == []
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"prompt": ""}, "prompt", "empty"),
+        ({"prompt": []}, "prompt", "empty"),
+        ({"prompt": [[]]}, "prompt", "empty"),
+        ({"prompt": "hi", "temperature": -1}, "temperature", "temperature must be >= 0"),
+        ({"prompt": "hi", "n": 2}, "n", "n must be 1"),
+        ({"prompt": "hi", "top_p": 0}, "top_p", "top_p"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "max_tokens"),
+        ({"prompt": "hi", "max_tokens": "many"}, "max_tokens", "integer"),
+        ({"prompt": "hi", "stop": 5}, "stop", ""),
+        ({"prompt": {"text": "hi"}}, "prompt", "prompt must be"),
+        ({"prompt": ["a", [1, 2]]}, "prompt", "prompt must be"),
+        ({"prompt": "hi", "logprobs": 21}, "logprobs", "logprobs"),
+        ({"prompt": "hi", "seed": -1}, "seed", "seed"),
+        ({"prompt": "hi", "echo": True}, "echo", "echo"),
+        ({"prompt": "hi", "best_of": 3}, "best_of", "best_of"),
+        ({"prompt": "hi", "logit_bias": {"5": 1.0}}, "logit_bias", "logit_bias"),
+        ({"prompt": [999999]}, "prompt", "out of range"),
+    ],
+)
+def test_bad_completion_requests_get_a_400_naming_the_field(gateway: Gateway, body, param, words):
+    with gateway.http() as http:
+        response = http.post("/v1/completions", json={"model": MODEL, **body})
+    assert response.status_code == 400
+    error = _error(response)
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert words in error["message"]
+    _assert_no_worker_touched(gateway)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"content": "no role"}]}, "messages.0.role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ],
+)
+def test_bad_chat_requests_get_a_400(gateway: Gateway, body, param):
+    with gateway.http() as http:
+        response = http.post("/v1/chat/completions", json={"model": MODEL, **body})
+    assert response.status_code == 400
+    assert _error(response)["param"] == param
+    _assert_no_worker_touched(gateway)
+
+
+def test_invalid_json_gets_a_400(gateway: Gateway):
+    with gateway.http() as http:
+        response = http.post(
+            "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+        )
+    assert response.status_code == 400
+    _error(response)
+
+
+def test_prompt_longer_than_the_context_names_both_numbers(gateway: Gateway):
+    with pytest.raises(openai.BadRequestError) as caught:
+        gateway.openai().completions.create(model=MODEL, prompt=list(range(3, 303)), max_tokens=1)
+    message = caught.value.body["message"]
+    assert "300" in message and "256" in message
+    _assert_no_worker_touched(gateway)
+
+
+def test_prompt_plus_max_tokens_past_the_context_names_the_numbers(gateway: Gateway):
+    with pytest.raises(openai.BadRequestError) as caught:
+        gateway.openai().completions.create(model=MODEL, prompt=list(range(3, 203)), max_tokens=100)
+    message = caught.value.body["message"]
+    assert "200" in message and "100" in message and "256" in message
+    _assert_no_worker_touched(gateway)
+
+
+def test_unknown_model_is_a_404(gateway: Gateway):
+    with pytest.raises(openai.NotFoundError) as caught:
+        gateway.openai().completions.create(model="gpt-9", prompt="hi")
+    assert "gpt-9" in caught.value.body["message"] and MODEL in caught.value.body["message"]
+    _assert_no_worker_touched(gateway)
+
+
+def test_unknown_route_is_openai_json(gateway: Gateway):
+    with gateway.http() as http:
+        response = http.get("/v1/nothing-here")
+    assert response.status_code == 404
+    _error(response)
+
+
+def test_api_keys_are_required_when_configured(tiny_model_path, script):
+    with running_gateway(tiny_model_path, script, api_keys=("sk-right",)) as gateway:
+        with pytest.raises(openai.AuthenticationError):
+            gateway.openai(api_key="sk-wrong").completions.create(model=MODEL, prompt="hi")
+        with gateway.http() as http:
+            missing = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+            assert missing.status_code == 401
+            assert _error(missing)["code"] == "invalid_api_key"
+            assert http.get("/v1/models").status_code == 401
+            assert http.get("/health").status_code == 200  # probes need no key
+        _assert_no_worker_touched(gateway)
+        result = gateway.openai(api_key="sk-right").completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert result.choices[0].finish_reason == "length"
+
+
+def test_every_decode_worker_rejecting_is_a_429(tiny_model_path, script):
+    with running_gateway(tiny_model_path, script, num_decode=2) as gateway:
+        for fake in gateway.decodes:
+            fake.accept = False
+        with pytest.raises(openai.RateLimitError) as caught:
+            gateway.openai().completions.create(model=MODEL, prompt="hi")
+        assert "no free state slots" in caught.value.body["message"]
+        assert [len(f.reserves) for f in gateway.decodes] == [1, 1]  # both were tried
+        assert gateway.prefill.requests == []
+
+
+def test_streaming_request_rejected_everywhere_is_still_a_429(tiny_model_path, script):
+    with running_gateway(tiny_model_path, script) as gateway:
+        gateway.decode.accept = False
+        with gateway.http() as http:
+            response = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "stream": True})
+        assert response.status_code == 429
+        assert _error(response)["type"] == "rate_limit_error"
+
+
+def test_a_rejecting_decode_worker_falls_back_to_another(tiny_model_path, script):
+    with running_gateway(tiny_model_path, script, num_decode=2) as gateway:
+        gateway.decodes[0].accept = False
+        for _ in range(3):
+            result = gateway.openai().completions.create(model=MODEL, prompt="hi", max_tokens=3)
+            assert result.choices[0].finish_reason == "length"
+        assert len(gateway.decodes[1].decodes) == 3
+        assert gateway.decodes[0].decodes == []
+
+
+def _closed_port_address() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_no_workers_is_a_503(tiny_model_path, script):
+    with running_gateway(tiny_model_path, script, num_prefill=0, num_decode=0) as gateway:
+        with pytest.raises(openai.InternalServerError) as caught:
+            gateway.openai().completions.create(model=MODEL, prompt="hi")
+        assert caught.value.status_code == 503
+        with gateway.http() as http:
+            assert http.get("/health").status_code == 503
+
+
+def test_unreachable_decode_worker_is_a_503(tiny_model_path, script):
+    with running_gateway(
+        tiny_model_path, script, num_decode=0, extra_decode_addresses=[_closed_port_address()]
+    ) as gw:
+        with pytest.raises(openai.InternalServerError) as caught:
+            gw.openai().completions.create(model=MODEL, prompt="hi")
+        assert caught.value.status_code == 503
+        assert "UNAVAILABLE" in caught.value.body["message"]
+
+
+def test_unreachable_prefill_worker_is_a_503_and_frees_the_reservation(tiny_model_path, script):
+    with running_gateway(
+        tiny_model_path, script, num_prefill=0, extra_prefill_addresses=[_closed_port_address()]
+    ) as gw:
+        with pytest.raises(openai.InternalServerError) as caught:
+            gw.openai().completions.create(model=MODEL, prompt="hi")
+        assert caught.value.status_code == 503
+        assert gw.decode.aborts == [gw.decode.reserves[0].request_id]
+
+
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, 400),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+        (grpc.StatusCode.INTERNAL, 503),
+    ],
+)
+def test_worker_errors_map_to_http_statuses(tiny_model_path, script, code, status):
+    with running_gateway(tiny_model_path, script) as gateway:
+        gateway.prefill.fail_with = code
+        with gateway.http() as http:
+            response = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+        assert response.status_code == status
+        _error(response)
+        assert gateway.decode.aborts == [gateway.decode.reserves[0].request_id]
+
+
+def test_token_id_prompts_work_without_a_tokenizer(tmp_path, script):
+    with running_gateway(tmp_path, script) as gateway:  # a folder with no tokenizer.json
+        result = gateway.openai().completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=3, logprobs=0)
+        assert result.choices[0].finish_reason == "length"
+        assert result.choices[0].logprobs.tokens == [f"token_id:{t}" for t in script.token_ids[:3]]
+        with pytest.raises(openai.BadRequestError) as caught:
+            gateway.openai().completions.create(model=MODEL, prompt="text needs a tokenizer")
+        assert "tokenizer" in caught.value.body["message"]
+        with pytest.raises(openai.BadRequestError):
+            gateway.openai().chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}]
+            )
+        with pytest.raises(openai.BadRequestError):
+            gateway.openai().completions.create(model=MODEL, prompt=[5], stop=["x"])
