@@ -12,8 +12,8 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -228,11 +228,12 @@ async def _serve(
         await _release_all(gens)
         return firsts
 
-    async def events() -> AsyncIterator[str]:
+    async def events() -> AsyncGenerator[str, None]:
         try:
-            async for index, step in _merged_steps(gens, firsts):
-                for data in chunk(index, step):
-                    yield f"data: {data}\n\n"
+            async with aclosing(_merged_steps(gens, firsts)) as steps:
+                async for index, step in steps:
+                    for data in chunk(index, step):
+                        yield f"data: {data}\n\n"
             if include_usage:
                 yield f"data: {usage_chunk()}\n\n"
         except GatewayError as exc:
@@ -253,8 +254,9 @@ async def _collect(gens: list[Generation], whole: Callable[[list[list[Step]]], A
     steps: list[list[Step]] = [[] for _ in gens]
     try:
         firsts = await _start_all(gens)
-        async for index, step in _merged_steps(gens, firsts):
-            steps[index].append(step)
+        async with aclosing(_merged_steps(gens, firsts)) as merged:
+            async for index, step in merged:
+                steps[index].append(step)
     except BaseException as exc:
         await _release_all(gens, error=not isinstance(exc, asyncio.CancelledError))
         raise
@@ -268,7 +270,7 @@ async def _start_all(gens: list[Generation]) -> list[Step]:
     return await _all_or_cancel([g.start() for g in gens])
 
 
-async def _merged_steps(gens: list[Generation], firsts: list[Step]) -> AsyncIterator[tuple[int, Step]]:
+async def _merged_steps(gens: list[Generation], firsts: list[Step]) -> AsyncGenerator[tuple[int, Step], None]:
     """Every generation's steps as they come, firsts first; the caller releases the gens."""
     for index, step in enumerate(firsts):
         yield index, step

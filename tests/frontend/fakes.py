@@ -112,6 +112,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         )
     )
     hang_after: int | None = None  # stream this many deltas, then wait until aborted
+    fail_after: int | None = None  # stream this many deltas, then fail the RPC with INTERNAL
     reserves: list[decode_pb2.ReserveRequest] = field(default_factory=list)
     decodes: list[decode_pb2.DecodeRequest] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
@@ -119,6 +120,12 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
     started: threading.Event = field(default_factory=threading.Event)  # a Decode arrived
     num_stats_calls: int = 0
     _wake: dict[str, threading.Event] = field(default_factory=dict)  # abort or cancel
+    _abort_cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def wait_for_aborts(self, count: int, timeout_s: float = 10.0) -> bool:
+        """True once at least `count` Aborts arrived."""
+        with self._abort_cond:
+            return self._abort_cond.wait_for(lambda: len(self.aborts) >= count, timeout_s)
 
     def _wake_event(self, request_id: str) -> threading.Event:
         return self._wake.setdefault(request_id, threading.Event())
@@ -144,6 +151,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         max_tokens = params.max_tokens if params.HasField("max_tokens") else 10**9
         script = self.script.token_ids
         for position in range(1, max_tokens):
+            if self.fail_after is not None and position > self.fail_after:
+                context.abort(grpc.StatusCode.INTERNAL, "fake decode worker crashed")
             if self.hang_after is not None and position > self.hang_after:
                 wake.wait(30)
             if wake.is_set() or not context.is_active():
@@ -171,7 +180,9 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         return
 
     def Abort(self, request, context):  # noqa: N802
-        self.aborts.append(request.request_id)
+        with self._abort_cond:
+            self.aborts.append(request.request_id)
+            self._abort_cond.notify_all()
         self._wake_event(request.request_id).set()
         self.aborted.set()
         return decode_pb2.AbortDecodeResponse(found=True)
