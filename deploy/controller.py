@@ -332,8 +332,11 @@ class Controller:
             return member.error or "not running"
         timeout_s = self._config.health.timeout_s
         try:
-            if not await self._call(member.handle.health.remote(), timeout_s):
-                return "health() returned false"
+            answer = await self._call(member.handle.health.remote(), timeout_s)
+            if not _says_healthy(answer):
+                return f"health() returned {answer!r}"
+            if isinstance(answer, dict):  # a health report doubles as the actor's stats
+                member.stats = dict(answer)
             if member.kind != "gateway":
                 member.stats = dict(await self._call(member.handle.stats.remote(), timeout_s) or {})
         except asyncio.TimeoutError:
@@ -469,6 +472,13 @@ async def _awaitable(ref: Awaitable[Any]) -> Any:
 
 def _node_id_of_actor(_self: Any) -> str:
     return ray.get_runtime_context().get_node_id()
+
+
+def _says_healthy(answer: Any) -> bool:
+    """`health()` may return a bool or a report dict (healthy unless it says "healthy"/"serving": false)."""
+    if isinstance(answer, dict):
+        return bool(answer.get("healthy", answer.get("serving", True)))
+    return bool(answer)
 
 
 def _checkpoint_context(model_path: str | None) -> int | None:

@@ -11,6 +11,7 @@ everything it owns.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import time
@@ -110,7 +111,7 @@ def connect_to_controller(address: str | None = None) -> Any:
     """Attach to a running deployment's controller (for `splitserve status`)."""
     target = address or os.environ.get("RAY_ADDRESS") or "auto"
     try:
-        ray.init(address=target, namespace=NAMESPACE, log_to_driver=False)
+        ray.init(address=target, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
     except ConnectionError as exc:
         raise ClusterError(f"no Ray cluster at {target!r}: {exc}") from None
     try:

@@ -22,7 +22,7 @@ def small_config(**overrides: Any) -> ClusterConfig:
         "gateway": {"port": 0},
         "prefill": {"num_cpus": 0.5},
         "decode": {"num_cpus": 0.5},
-        "health": {"interval_s": 0.2, "timeout_s": 5, "max_restarts": 2, "start_timeout_s": 30},
+        "health": {"interval_s": 0.2, "timeout_s": 10, "max_restarts": 2, "start_timeout_s": 30},
     }
     for section, values in overrides.items():
         data[section] = {**data.get(section, {}), **values} if isinstance(values, dict) else values
@@ -45,7 +45,7 @@ def is_dead_controller() -> bool:
     return False
 
 
-def wait_until(probe: Callable[[], T | None], *, timeout_s: float = 30, what: str = "condition") -> T:
+def wait_until(probe: Callable[[], T | None], *, timeout_s: float = 60, what: str = "condition") -> T:
     """Poll `probe` until it returns something truthy; fail after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
