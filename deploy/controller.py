@@ -240,6 +240,7 @@ class Controller:
 
     async def _start_store(self, store: Member, port: int = 0) -> None:
         cfg = self._config.store
+        assert store.node_id is not None  # a store always belongs to one node
         cls = self._actor_class("store")
         store.handle = cls.options(
             num_cpus=cfg.num_cpus,
@@ -435,7 +436,7 @@ class Controller:
 
     def _actor_class(self, kind: str) -> Any:
         if kind not in self._classes:
-            cls = self._overrides.get(kind)
+            cls: Any = self._overrides.get(kind)
             if cls is None:
                 module, name = _DEFAULT_CLASSES[kind]
                 try:
