@@ -21,11 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
-import json
 import logging
 from collections.abc import Awaitable, Iterable
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -35,6 +32,7 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
+from deploy.actors import DEFAULT_CLASSES, StartError, gateway_settings_kwargs, load_actor_class, says_healthy
 from deploy.members import Member, Pool, bundle_of
 from splitserve.config import ClusterConfig
 from splitserve.engine_config import EngineConfig
@@ -42,21 +40,10 @@ from splitserve.engine_config import EngineConfig
 CONTROLLER_NAME = "splitserve-controller"
 NAMESPACE = "splitserve"
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # every Ray head node has 1 of it
+__all__ = ["CONTROLLER_NAME", "NAMESPACE", "Controller", "PlacementError", "StartError"]
 
-_DEFAULT_CLASSES = {
-    "store": ("state_store.actor", "StateStoreActor"),
-    "prefill": ("prefill_worker.actor", "PrefillWorkerActor"),
-    "decode": ("decode_worker.actor", "DecodeWorkerActor"),
-    "colocated": ("decode_worker.colocated", "ColocatedWorkerActor"),
-    "gateway": ("frontend.actor", "GatewayActor"),
-    "gateway_settings": ("frontend.settings", "GatewaySettings"),
-}
 
 logger = logging.getLogger("splitserve.deploy")
-
-
-class StartError(RuntimeError):
-    """An actor could not be created or its `start()` failed: the message names which."""
 
 
 class PlacementError(RuntimeError):
@@ -74,10 +61,10 @@ class Controller:
     def __init__(self, config: ClusterConfig, actor_classes: dict[str, type] | None = None) -> None:
         self._config = config
         self._overrides = dict(actor_classes or {})
-        unknown = set(self._overrides) - set(_DEFAULT_CLASSES)
+        unknown = set(self._overrides) - set(DEFAULT_CLASSES)
         if unknown:
             raise ValueError(
-                f"unknown actor_classes keys {sorted(unknown)}; known: {sorted(_DEFAULT_CLASSES)}"
+                f"unknown actor_classes keys {sorted(unknown)}; known: {sorted(DEFAULT_CLASSES)}"
             )
         self._classes: dict[str, Any] = {}
         self._pools: dict[str, Pool] = {}
@@ -268,17 +255,8 @@ class Controller:
 
     async def _start_gateway(self, gateway: Member) -> None:
         cfg = self._config.gateway
-        settings_kwargs: dict[str, Any] = {
-            "model_name": self._config.model.served_name,
-            "model_path": self._model_path,
-            "host": cfg.host,
-            "port": cfg.port,
-            "api_keys": list(cfg.api_keys),
-        }
-        max_model_len = self._config.model.max_model_len or _checkpoint_context(self._model_path)
-        if max_model_len is not None:  # else the gateway's own default applies
-            settings_kwargs["max_model_len"] = max_model_len
-        settings = self._actor_class("gateway_settings")(**settings_kwargs)
+        kwargs = gateway_settings_kwargs(self._config, self._model_path)
+        settings = self._actor_class("gateway_settings")(**kwargs)
         cls = self._actor_class("gateway")
         gateway.handle = cls.options(
             num_cpus=cfg.num_cpus, max_restarts=0, resources={HEAD_NODE_RESOURCE: 0.001}
@@ -334,7 +312,7 @@ class Controller:
         timeout_s = self._config.health.timeout_s
         try:
             answer = await self._call(member.handle.health.remote(), timeout_s)
-            if not _says_healthy(answer):
+            if not says_healthy(answer):
                 return f"health() returned {answer!r}"
             if isinstance(answer, dict):  # a health report doubles as the actor's stats
                 member.stats = dict(answer)
@@ -436,16 +414,7 @@ class Controller:
 
     def _actor_class(self, kind: str) -> Any:
         if kind not in self._classes:
-            cls: Any = self._overrides.get(kind)
-            if cls is None:
-                module, name = _DEFAULT_CLASSES[kind]
-                try:
-                    cls = getattr(importlib.import_module(module), name)
-                except (ImportError, AttributeError) as exc:
-                    raise StartError(f"the {kind} class {module}.{name} is not available: {exc}") from None
-            if kind != "gateway_settings" and not isinstance(cls, ray.actor.ActorClass):
-                cls = ray.remote(cls)
-            self._classes[kind] = cls
+            self._classes[kind] = load_actor_class(kind, self._overrides.get(kind))
         return self._classes[kind]
 
     def _node_ip(self, node_id: str | None) -> str:
@@ -473,25 +442,6 @@ async def _awaitable(ref: Awaitable[Any]) -> Any:
 
 def _node_id_of_actor(_self: Any) -> str:
     return ray.get_runtime_context().get_node_id()
-
-
-def _says_healthy(answer: Any) -> bool:
-    """`health()` may return a bool or a report dict (healthy unless it says "healthy"/"serving": false)."""
-    if isinstance(answer, dict):
-        return bool(answer.get("healthy", answer.get("serving", True)))
-    return bool(answer)
-
-
-def _checkpoint_context(model_path: str | None) -> int | None:
-    """The checkpoint's own context length (`max_position_embeddings`), if its config says."""
-    if model_path is None:
-        return None
-    try:
-        with open(Path(model_path) / "config.json", encoding="utf-8") as f:
-            value = json.load(f).get("max_position_embeddings")
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, int) and value >= 2 else None
 
 
 def _port_of(address: str | None) -> int:
