@@ -88,19 +88,19 @@ class ColocatedServicer(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.Decode
         finished = update.finished
         if finished:
             self._forget(rid)
-        if req.finish_reason == "abort":
+        if update.finish_reason == "abort":
             abort(context, grpc.StatusCode.CANCELLED, f"request {rid} was aborted")
         response = prefill_pb2.PrefillResponse(
             request_id=rid,
             first_token_id=update.new_token_ids[0],
-            finish_reason=FINISH_TO_PROTO[req.finish_reason if finished else None],
+            finish_reason=FINISH_TO_PROTO[update.finish_reason if finished else None],
             num_prompt_tokens=req.num_prompt_tokens,
             timing=prefill_pb2.PrefillTiming(prefill_s=time.time() - started),
         )
         if update.new_logprobs:
             response.first_logprobs.CopyFrom(logprobs_to_proto(update.new_logprobs[0]))
-        if finished and isinstance(req.stop_reason, int):
-            response.stop_token_id = req.stop_reason
+        if finished and isinstance(update.stop_reason, int):
+            response.stop_token_id = update.stop_reason
         if not finished:
             response.state.key = rid
             response.state.owner = self.worker_id
@@ -122,17 +122,16 @@ class ColocatedServicer(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.Decode
         while True:
             update = stream.updates.get()
             num_generated += len(update.new_token_ids)
-            req = update.request
             delta = decode_pb2.TokenDelta(
                 request_id=rid,
                 token_ids=update.new_token_ids,
                 logprobs=[logprobs_to_proto(lp) for lp in update.new_logprobs],
-                finish_reason=FINISH_TO_PROTO[req.finish_reason if update.finished else None],
+                finish_reason=FINISH_TO_PROTO[update.finish_reason if update.finished else None],
                 num_generated_tokens=num_generated,
                 timing=decode_pb2.DecodeTiming(emit_unix_s=time.time()),
             )
-            if update.finished and isinstance(req.stop_reason, int):
-                delta.stop_token_id = req.stop_reason
+            if update.finished and isinstance(update.stop_reason, int):
+                delta.stop_token_id = update.stop_reason
             if update.finished:
                 done.set()
                 self._forget(rid)

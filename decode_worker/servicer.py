@@ -113,19 +113,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         while True:
             update = updates.get()
             num_generated += len(update.new_token_ids)
-            req = update.request
             delta = decode_pb2.TokenDelta(
                 request_id=rid,
                 token_ids=update.new_token_ids,
                 logprobs=[logprobs_to_proto(lp) for lp in update.new_logprobs],
-                finish_reason=FINISH_TO_PROTO[req.finish_reason if update.finished else None],
+                finish_reason=FINISH_TO_PROTO[update.finish_reason if update.finished else None],
                 num_generated_tokens=num_generated,
                 timing=decode_pb2.DecodeTiming(
                     emit_unix_s=time.time(), state_wait_s=state_wait_s if first_delta else 0.0
                 ),
             )
-            if update.finished and isinstance(req.stop_reason, int):
-                delta.stop_token_id = req.stop_reason
+            if update.finished and isinstance(update.stop_reason, int):
+                delta.stop_token_id = update.stop_reason
             first_delta = False
             if update.finished:
                 finished.set()

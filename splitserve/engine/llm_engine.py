@@ -33,15 +33,18 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 
 @dataclass
 class RequestUpdate:
-    """What one step did to one request: tokens appended (with logprobs) and whether it ended."""
+    """What one step did to one request: tokens appended (with logprobs) and whether it ended.
+
+    A snapshot taken when the step ran: other threads read it later, when the live `request`
+    may have moved on (more tokens, finished), so they must use these fields, not the request's.
+    """
 
     request: Request
     new_token_ids: list[int]
     new_logprobs: list[dict[int, float]]
-
-    @property
-    def finished(self) -> bool:
-        return self.request.finished
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class LLMEngine:
@@ -254,5 +257,14 @@ class LLMEngine:
             if stop is not None:
                 self.scheduler.finish(request, *stop)
                 self.requests.pop(request.request_id, None)
-            updates.append(RequestUpdate(request, [token], [logprobs] if logprobs is not None else []))
+            updates.append(
+                RequestUpdate(
+                    request,
+                    [token],
+                    [logprobs] if logprobs is not None else [],
+                    finished=request.finished,
+                    finish_reason=request.finish_reason,
+                    stop_reason=request.stop_reason,
+                )
+            )
         return updates
