@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs splitserve and runs it on the embedded default (a tiny model created on first use).
+# Installs splitserve and starts the whole cluster on the embedded default (a tiny model created
+# on first use): local Ray, 1 prefill + 1 decode worker, a state store and the gateway on 127.0.0.1:8000.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 . "$root/scripts/install.sh"
-exec splitserve demo "$@"
+exec splitserve up "$@"
