@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from decode_worker.servicer import decode_stats
+from decode_worker.servicer import decode_stats, stream_deltas
 from prefill_worker.servicer import prefill_stats
 from proto import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from splitserve.engine.llm_engine import RequestUpdate
@@ -118,26 +118,12 @@ class ColocatedServicer(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.Decode
             )
         done = threading.Event()
         context.add_callback(lambda: None if done.is_set() else self._abort(rid))
-        num_generated = 1
-        while True:
-            update = stream.updates.get()
-            num_generated += len(update.new_token_ids)
-            delta = decode_pb2.TokenDelta(
-                request_id=rid,
-                token_ids=update.new_token_ids,
-                logprobs=[logprobs_to_proto(lp) for lp in update.new_logprobs],
-                finish_reason=FINISH_TO_PROTO[update.finish_reason if update.finished else None],
-                num_generated_tokens=num_generated,
-                timing=decode_pb2.DecodeTiming(emit_unix_s=time.time()),
-            )
-            if update.finished and isinstance(update.stop_reason, int):
-                delta.stop_token_id = update.stop_reason
-            if update.finished:
-                done.set()
-                self._forget(rid)
-            yield delta
-            if update.finished:
-                return
+
+        def finish() -> None:
+            done.set()
+            self._forget(rid)
+
+        yield from stream_deltas(rid, stream.updates, finish)
 
     def _forget(self, rid: str) -> None:
         with self._lock:

@@ -6,7 +6,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 
@@ -108,29 +108,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self._release(reader.key)
         finished = threading.Event()
         context.add_callback(lambda: None if finished.is_set() else self._abort_engine(rid))
-        num_generated = 1
-        first_delta = True
-        while True:
-            update = updates.get()
-            num_generated += len(update.new_token_ids)
-            delta = decode_pb2.TokenDelta(
-                request_id=rid,
-                token_ids=update.new_token_ids,
-                logprobs=[logprobs_to_proto(lp) for lp in update.new_logprobs],
-                finish_reason=FINISH_TO_PROTO[update.finish_reason if update.finished else None],
-                num_generated_tokens=num_generated,
-                timing=decode_pb2.DecodeTiming(
-                    emit_unix_s=time.time(), state_wait_s=state_wait_s if first_delta else 0.0
-                ),
-            )
-            if update.finished and isinstance(update.stop_reason, int):
-                delta.stop_token_id = update.stop_reason
-            first_delta = False
-            if update.finished:
-                finished.set()
-            yield delta
-            if update.finished:
-                return
+        yield from stream_deltas(rid, updates, finished.set, state_wait_s)
 
     def _free_room(self, reader: StateReader) -> None:
         """The state will never arrive whole: free the room now; Decode still reports why."""
@@ -191,3 +169,35 @@ def decode_stats(engine: LLMEngine) -> decode_pb2.DecodeStats:
         num_free_state_slots=sched.slots.num_free_slots,
         num_total_state_slots=engine.plan.num_slots,
     )
+
+
+def stream_deltas(
+    rid: str,
+    updates: queue.Queue[RequestUpdate],
+    on_finish: Callable[[], None],
+    state_wait_s: float = 0.0,
+) -> Iterator[decode_pb2.TokenDelta]:
+    """One TokenDelta per engine update until the finishing one; `on_finish` runs just before it."""
+    num_generated = 1  # the prefill's first token
+    first = True
+    while True:
+        update = updates.get()
+        num_generated += len(update.new_token_ids)
+        delta = decode_pb2.TokenDelta(
+            request_id=rid,
+            token_ids=update.new_token_ids,
+            logprobs=[logprobs_to_proto(lp) for lp in update.new_logprobs],
+            finish_reason=FINISH_TO_PROTO[update.finish_reason if update.finished else None],
+            num_generated_tokens=num_generated,
+            timing=decode_pb2.DecodeTiming(
+                emit_unix_s=time.time(), state_wait_s=state_wait_s if first else 0.0
+            ),
+        )
+        first = False
+        if update.finished:
+            if isinstance(update.stop_reason, int):
+                delta.stop_token_id = update.stop_reason
+            on_finish()
+        yield delta
+        if update.finished:
+            return
