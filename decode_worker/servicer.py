@@ -15,7 +15,8 @@ from proto import decode_pb2, decode_pb2_grpc, store_pb2, store_pb2_grpc
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import LLMEngine, RequestUpdate
 from splitserve.engine.state_codec import CorruptStateError
-from splitserve.grpc_server import abort, channel
+from splitserve.grpc_server import abort
+from splitserve.rpc import make_channel
 from splitserve.wire import (
     FINISH_TO_PROTO,
     logprobs_from_proto,
@@ -35,7 +36,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.loop = loop
         self.worker_id = worker_id
         self.store_address = store_address
-        self.store = store_pb2_grpc.StateStoreStub(channel(store_address))
+        self.store = store_pb2_grpc.StateStoreStub(make_channel(store_address))
         self.state_timeout_s = state_timeout_s
         config = loop.engine.model_config
         self.num_states = len(config.mla_layer_ids) + 2 * len(config.kda_layer_ids)

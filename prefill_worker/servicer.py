@@ -13,7 +13,8 @@ from prefill_worker.state_writer import StateWriter
 from proto import common_pb2, prefill_pb2, prefill_pb2_grpc, store_pb2, store_pb2_grpc
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import HANDOFF, LLMEngine, RequestUpdate
-from splitserve.grpc_server import abort, channel
+from splitserve.grpc_server import abort
+from splitserve.rpc import make_channel
 from splitserve.wire import FINISH_TO_PROTO, logprobs_to_proto, sampling_params_from_proto
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def _store(self, address: str) -> store_pb2_grpc.StateStoreStub:
         with self._lock:
             if address not in self._stubs:
-                self._stubs[address] = store_pb2_grpc.StateStoreStub(channel(address))
+                self._stubs[address] = store_pb2_grpc.StateStoreStub(make_channel(address))
             return self._stubs[address]
 
     def Prefill(

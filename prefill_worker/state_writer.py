@@ -9,8 +9,6 @@ from __future__ import annotations
 import queue
 from collections.abc import Iterator
 
-import grpc
-
 from proto import common_pb2, store_pb2, store_pb2_grpc
 from splitserve.engine.state_codec import encode, seal
 from splitserve.engine.state_transfer import LayerState
@@ -44,7 +42,3 @@ class StateWriter:
     def _messages(self) -> Iterator[common_pb2.StateChunk]:
         while (chunk := self._queue.get()) is not _END:
             yield chunk
-
-
-def is_unavailable(exc: BaseException) -> bool:
-    return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]

@@ -8,7 +8,7 @@ from typing import NoReturn
 import grpc
 from grpc_health.v1 import health
 
-from splitserve.rpc import add_health, bind, format_address, make_channel, make_server
+from splitserve.rpc import add_health, bind, format_address, make_server
 
 WORKER_MAX_THREADS = 128  # each in-flight Prefill or Decode stream parks one thread
 
@@ -23,10 +23,6 @@ def start_server(
     bound = bind(server, host, port)
     server.start()
     return server, format_address(host, bound), health_servicer
-
-
-def channel(address: str) -> grpc.Channel:
-    return make_channel(address)
 
 
 def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:

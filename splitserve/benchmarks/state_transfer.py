@@ -18,7 +18,8 @@ import torch
 from proto import store_pb2, store_pb2_grpc
 from splitserve.engine.state_codec import decode, encode, seal
 from splitserve.engine.state_transfer import MLA_KV, LayerState
-from splitserve.grpc_server import channel, start_server
+from splitserve.grpc_server import start_server
+from splitserve.rpc import make_channel
 from state_store.info import StoreConfig
 from state_store.servicer import StateStoreServicer
 from state_store.store import StateStore
@@ -68,7 +69,7 @@ def main() -> None:
     server, address, _ = start_server(
         lambda s: store_pb2_grpc.add_StateStoreServicer_to_server(servicer, s), "127.0.0.1", 0
     )
-    stub = store_pb2_grpc.StateStoreStub(channel(address))
+    stub = store_pb2_grpc.StateStoreStub(make_channel(address))
     print(
         f"{'size':>8} {'put GB/s':>9} {'get GB/s':>9} {'round trip':>11} {'memcpy GB/s':>12} {'memcpy/rt':>10}"
     )

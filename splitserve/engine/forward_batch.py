@@ -17,15 +17,13 @@ class TokenGroup:
     """Rows of one shape class, padded to a rectangle.
 
     `token_index[b, i]` is the flat position of row b's i-th new token (0 where padded);
-    `valid[b, i]` marks real tokens; `num_computed[b]` counts tokens already in the caches before
-    this chunk; `kv_index[b, j]` is the KV pool row of row b's j-th context token (0 where padded);
+    `valid[b, i]` marks real tokens; `kv_index[b, j]` is the KV pool row of row b's j-th context token (0 where padded);
     `attn_mask[b, i, j]` says whether new token i of row b may attend to context token j.
     """
 
     token_index: torch.Tensor  # [B, Lmax] long
     valid: torch.Tensor  # [B, Lmax] bool
     lengths: list[int]
-    num_computed: torch.Tensor  # [B] long
     state_slots: torch.Tensor  # [B] long, KDA slot of each row
     kv_index: torch.Tensor  # [B, Kmax] long
     attn_mask: torch.Tensor  # [B, Lmax, Kmax] bool

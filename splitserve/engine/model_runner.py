@@ -136,7 +136,6 @@ class ModelRunner:
             token_index=token_index.to(dev),
             valid=valid.to(dev),
             lengths=lengths,
-            num_computed=computed.to(dev),
             state_slots=torch.tensor([s.request.state_slot for s in rows], dtype=torch.long, device=dev),
             kv_index=kv_index.to(dev),
             attn_mask=attn_mask.to(dev),

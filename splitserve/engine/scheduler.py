@@ -41,10 +41,6 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted: list[Request]
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
 
 class Scheduler:
     """Owns the waiting queue, the running list and every request's blocks and slot."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from proto import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from splitserve.grpc_server import channel
+from splitserve.rpc import make_channel
 from splitserve.sampling_params import SamplingParams
 from splitserve.wire import FINISH_FROM_PROTO, sampling_params_to_proto
 
@@ -21,7 +21,7 @@ class Result:
 def generate(
     prefill_address: str, decode_address: str, request_id: str, prompt: list[int], params: SamplingParams
 ) -> Result:
-    with channel(prefill_address) as pc, channel(decode_address) as dc:
+    with make_channel(prefill_address) as pc, make_channel(decode_address) as dc:
         prefill, decode = prefill_pb2_grpc.PrefillStub(pc), decode_pb2_grpc.DecodeStub(dc)
         reserved = decode.Reserve(
             decode_pb2.ReserveRequest(request_id=request_id, num_prompt_tokens=len(prompt), timeout_s=30),

@@ -9,7 +9,7 @@ import pytest
 
 from proto import decode_pb2, decode_pb2_grpc, store_pb2, store_pb2_grpc
 from splitserve import LLM, SamplingParams
-from splitserve.grpc_server import channel
+from splitserve.rpc import make_channel
 from tests.workers.client import generate
 
 PROMPTS = [[5, 6, 7], list(range(3, 140)), [40] * 20 + list(range(60, 100)), list(range(200, 210))]
@@ -52,7 +52,7 @@ def test_every_resource_is_freed_after_the_requests(cluster, store_server, offli
         assert stats["num_running"] == stats["num_reserved"] == stats["num_waiting"] == 0
         assert stats["num_free_kv_blocks"] == stats["num_total_kv_blocks"]
         assert stats["num_free_state_slots"] == stats["num_total_state_slots"]
-    with channel(store_server[1]) as ch:
+    with make_channel(store_server[1]) as ch:
         store_stats = store_pb2_grpc.StateStoreStub(ch).Stats(store_pb2.StatsRequest(), timeout=10)
     assert store_stats.num_keys == 0
     assert all(t.num_bytes == 0 for t in store_stats.tiers)
@@ -60,7 +60,7 @@ def test_every_resource_is_freed_after_the_requests(cluster, store_server, offli
 
 def test_decode_without_reservation_is_not_found(cluster):
     _, addr = cluster
-    with channel(addr["decode"]) as ch, pytest.raises(grpc.RpcError) as err:
+    with make_channel(addr["decode"]) as ch, pytest.raises(grpc.RpcError) as err:
         list(decode_pb2_grpc.DecodeStub(ch).Decode(decode_pb2.DecodeRequest(request_id="ghost"), timeout=10))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert "call Reserve first" in err.value.details()
@@ -115,7 +115,7 @@ def test_client_that_disconnects_mid_stream_frees_everything(cluster, store_serv
     decoder = workers["decode" if mode == "disaggregated" else "colocated"]
     params = sampling_params_to_proto(SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
     prompt = PROMPTS[2]
-    with channel(prefill_addr) as pc, channel(decode_addr) as dc:
+    with make_channel(prefill_addr) as pc, make_channel(decode_addr) as dc:
         decode = decode_pb2_grpc.DecodeStub(dc)
         reserved = decode.Reserve(
             decode_pb2.ReserveRequest(request_id=f"gone-{mode}", num_prompt_tokens=len(prompt))
