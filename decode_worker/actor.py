@@ -16,7 +16,7 @@ class DecodeWorkerActor(WorkerActorBase):
 
     def register_services(self) -> Callable[[grpc.Server], None]:
         from decode_worker.servicer import DecodeServicer
-        from proto import decode_pb2_grpc
+        from splitserve.v1 import decode_pb2_grpc
 
         if not self.store_address:
             raise ValueError("a decode worker needs the address of its node's state store")

@@ -16,9 +16,9 @@ import grpc
 
 from decode_worker.servicer import decode_stats, stream_deltas
 from prefill_worker.servicer import prefill_stats
-from proto import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from splitserve.engine.llm_engine import RequestUpdate
 from splitserve.grpc_server import abort
+from splitserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from splitserve.wire import FINISH_TO_PROTO, logprobs_to_proto, sampling_params_from_proto
 from splitserve.worker_actor import WorkerActorBase
 

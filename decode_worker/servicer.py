@@ -11,12 +11,12 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from decode_worker.state_reader import StateReader
-from proto import decode_pb2, decode_pb2_grpc, store_pb2, store_pb2_grpc
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import LLMEngine, RequestUpdate
 from splitserve.engine.state_codec import CorruptStateError
 from splitserve.grpc_server import abort
 from splitserve.rpc import make_channel
+from splitserve.v1 import decode_pb2, decode_pb2_grpc, store_pb2, store_pb2_grpc
 from splitserve.wire import (
     FINISH_TO_PROTO,
     logprobs_from_proto,

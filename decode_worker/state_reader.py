@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 import grpc
 
-from proto import store_pb2, store_pb2_grpc
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.state_codec import CorruptStateError, decode
+from splitserve.v1 import store_pb2, store_pb2_grpc
 
 
 class StateReader:

@@ -9,7 +9,14 @@ from __future__ import annotations
 import grpc
 
 from frontend.errors import GatewayError
-from proto import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, store_pb2, store_pb2_grpc
+from splitserve.v1 import (
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    store_pb2,
+    store_pb2_grpc,
+)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [

@@ -21,10 +21,10 @@ from frontend.errors import GatewayError, over_capacity, unavailable
 from frontend.metrics import GatewayMetrics
 from frontend.router import Router
 from frontend.settings import GatewaySettings
-from proto import common_pb2, decode_pb2, prefill_pb2
 from splitserve.detokenizer import IncrementalDetokenizer
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokenizer import Tokenizer
+from splitserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from splitserve.wire import FINISH_FROM_PROTO, sampling_params_to_proto
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ class PrefillWorkerActor(WorkerActorBase):
 
     def register_services(self) -> Callable[[grpc.Server], None]:
         from prefill_worker.servicer import PrefillServicer
-        from proto import prefill_pb2_grpc
+        from splitserve.v1 import prefill_pb2_grpc
 
         servicer = PrefillServicer(self.loop, self.worker_id)
         return lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)

@@ -10,11 +10,11 @@ import time
 import grpc
 
 from prefill_worker.state_writer import StateWriter
-from proto import common_pb2, prefill_pb2, prefill_pb2_grpc, store_pb2, store_pb2_grpc
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import HANDOFF, LLMEngine, RequestUpdate
 from splitserve.grpc_server import abort
 from splitserve.rpc import make_channel
+from splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc, store_pb2, store_pb2_grpc
 from splitserve.wire import FINISH_TO_PROTO, logprobs_to_proto, sampling_params_from_proto
 
 logger = logging.getLogger(__name__)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import queue
 from collections.abc import Iterator
 
-from proto import common_pb2, store_pb2, store_pb2_grpc
 from splitserve.engine.state_codec import encode, seal
 from splitserve.engine.state_transfer import LayerState
+from splitserve.v1 import common_pb2, store_pb2, store_pb2_grpc
 
 _END = None
 

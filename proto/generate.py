@@ -1,8 +1,13 @@
-"""Regenerates the checked-in Python for every `.proto` in this folder: `python -m proto.generate`.
+"""Regenerates the checked-in Python stubs for every `.proto` here: `python proto/generate.py`.
 
-Protos are compiled from the repository root as `proto/<name>.proto`, so the generated modules
-import each other as `from proto import common_pb2` and load as `proto.<name>_pb2`.
-`--out DIR` writes under `DIR/proto/` instead (the sync test compares the two).
+The sources follow buf's layout (the directory matches the proto package): `splitserve/v1/*.proto`
+under this folder, package `splitserve.v1`. They are compiled with this folder as the include
+root, so the stubs land in the Python package `splitserve.v1` (`splitserve/v1/*_pb2*.py` at the
+repository root) and import each other as `from splitserve.v1 import common_pb2`.
+`--out DIR` writes under `DIR/splitserve/v1/` instead (the sync test compares the two).
+
+The stubs are not generated into a top-level `proto` package: that name belongs to proto-plus,
+which Ray's dependencies install.
 """
 
 from __future__ import annotations
@@ -11,39 +16,45 @@ import argparse
 import sys
 from pathlib import Path
 
-PROTO_DIR = Path(__file__).resolve().parent
-REPO_ROOT = PROTO_DIR.parent
+PROTO_ROOT = Path(__file__).resolve().parent
+REPO_ROOT = PROTO_ROOT.parent
+PACKAGE_DIR = Path("splitserve") / "v1"
 
 
 def proto_files() -> list[str]:
-    """The `.proto` files, as paths relative to the repository root, sorted."""
-    return sorted(f"{PROTO_DIR.name}/{p.name}" for p in PROTO_DIR.glob("*.proto"))
+    """The `.proto` files, as paths relative to the include root, sorted."""
+    return sorted(str(p.relative_to(PROTO_ROOT)) for p in (PROTO_ROOT / PACKAGE_DIR).glob("*.proto"))
+
+
+def generated_files(out_dir: Path = REPO_ROOT) -> list[Path]:
+    """The stub files under `out_dir`, sorted."""
+    return sorted((out_dir / PACKAGE_DIR).glob("*_pb2*.py*"))
 
 
 def generate(out_dir: Path = REPO_ROOT) -> list[Path]:
-    """Compiles every proto into `out_dir/proto/`; returns the files written."""
+    """Compiles every proto into `out_dir/splitserve/v1/`; returns the files written."""
     import grpc_tools
     from grpc_tools import protoc  # dev-only dependency, imported only when generating
 
-    (out_dir / PROTO_DIR.name).mkdir(parents=True, exist_ok=True)
+    (out_dir / PACKAGE_DIR).mkdir(parents=True, exist_ok=True)
     well_known = Path(grpc_tools.__file__).parent / "_proto"
     args = [
         "grpc_tools.protoc",
-        f"-I{REPO_ROOT}",
+        f"-I{PROTO_ROOT}",
         f"-I{well_known}",
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",
-        *(str(REPO_ROOT / f) for f in proto_files()),
+        *(str(PROTO_ROOT / f) for f in proto_files()),
     ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed on {proto_files()}; see its message above")
-    return sorted((out_dir / PROTO_DIR.name).glob("*_pb2*.py*"))
+    return generated_files(out_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=REPO_ROOT, help="root to write proto/*_pb2*.py under")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT, help="root to write splitserve/v1/ under")
     args = parser.parse_args(argv)
     for path in generate(args.out):
         print(path)

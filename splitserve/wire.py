@@ -5,8 +5,8 @@ One place for every field mapping, so the frontend and the workers cannot disagr
 
 from __future__ import annotations
 
-from proto import common_pb2
 from splitserve.sampling_params import SamplingParams
+from splitserve.v1 import common_pb2
 
 FINISH_TO_PROTO = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,

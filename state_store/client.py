@@ -7,8 +7,8 @@ from typing import TypeVar
 
 import grpc
 
-from proto import common_pb2, store_pb2, store_pb2_grpc
 from splitserve import rpc
+from splitserve.v1 import common_pb2, store_pb2, store_pb2_grpc
 from state_store import checksum
 from state_store.chunk import Chunk
 from state_store.errors import ERRORS_BY_NAME, StateStoreError, StateUnavailableError

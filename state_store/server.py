@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from proto import store_pb2_grpc
 from splitserve import rpc
+from splitserve.v1 import store_pb2_grpc
 from state_store.servicer import SERVICE_NAME, StateStoreServicer
 from state_store.store import StateStore
 

@@ -9,7 +9,7 @@ from typing import NoReturn
 
 import grpc
 
-from proto import common_pb2, store_pb2, store_pb2_grpc
+from splitserve.v1 import common_pb2, store_pb2, store_pb2_grpc
 from state_store.errors import StateStoreError
 from state_store.store import StateStore
 from state_store.wire import chunk_from_proto, chunk_to_proto, is_seal, key_info_to_proto, stats_to_proto

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from proto import common_pb2, store_pb2
+from splitserve.v1 import common_pb2, store_pb2
 from state_store.chunk import Chunk, ChunkMeta, StateKind
 from state_store.errors import InvalidChunkError
 from state_store.info import KeyInfo, StoreStats

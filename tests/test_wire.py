@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from proto import common_pb2
 from splitserve.sampling_params import SamplingParams
+from splitserve.v1 import common_pb2
 from splitserve.wire import (
     logprobs_from_proto,
     logprobs_to_proto,

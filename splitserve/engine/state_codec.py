@@ -9,8 +9,8 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
-from proto import common_pb2
 from splitserve.engine.state_transfer import KDA_CONV, KDA_RECURRENT, MLA_KV, LayerState
+from splitserve.v1 import common_pb2
 
 CHUNK_BYTES = 1 << 20  # 1 MiB: far under gRPC's 4 MiB default message limit
 

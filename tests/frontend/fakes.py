@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 EOS_TOKEN_ID = 2
 STORE_ADDRESS = "127.0.0.1:1"  # never dialled by the fakes; the gateway only passes it on

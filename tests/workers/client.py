@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from proto import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from splitserve.rpc import make_channel
 from splitserve.sampling_params import SamplingParams
+from splitserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from splitserve.wire import FINISH_FROM_PROTO, sampling_params_to_proto
 
 

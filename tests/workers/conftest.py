@@ -7,10 +7,10 @@ import pytest
 from decode_worker.actor import DecodeWorkerActor
 from decode_worker.colocated import ColocatedWorkerActor
 from prefill_worker.actor import PrefillWorkerActor
-from proto import store_pb2_grpc
 from splitserve.engine_config import EngineConfig
 from splitserve.grpc_server import start_server
 from splitserve.tiny_model import make_tiny_model
+from splitserve.v1 import store_pb2_grpc
 from state_store.info import StoreConfig
 from state_store.servicer import StateStoreServicer
 from state_store.store import StateStore

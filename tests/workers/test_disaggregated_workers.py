@@ -7,9 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from proto import decode_pb2, decode_pb2_grpc, store_pb2, store_pb2_grpc
 from splitserve import LLM, SamplingParams
 from splitserve.rpc import make_channel
+from splitserve.v1 import decode_pb2, decode_pb2_grpc, store_pb2, store_pb2_grpc
 from tests.workers.client import generate
 
 PROMPTS = [[5, 6, 7], list(range(3, 140)), [40] * 20 + list(range(60, 100)), list(range(200, 210))]
@@ -105,7 +105,7 @@ def _wait_until(condition, timeout_s: float = 30.0) -> bool:
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
 def test_client_that_disconnects_mid_stream_frees_everything(cluster, store_server, mode):
-    from proto import prefill_pb2, prefill_pb2_grpc
+    from splitserve.v1 import prefill_pb2, prefill_pb2_grpc
     from splitserve.wire import sampling_params_to_proto
 
     workers, addr = cluster

@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from proto import common_pb2 as proto_dot_common__pb2
-from proto import store_pb2 as proto_dot_store__pb2
+from splitserve.v1 import common_pb2 as splitserve_dot_v1_dot_common__pb2
+from splitserve.v1 import store_pb2 as splitserve_dot_v1_dot_store__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/store_pb2_grpc.py depends on'
+        + ' but the generated code in splitserve/v1/store_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -38,38 +38,38 @@ class StateStoreStub:
         """
         self.Put = channel.stream_unary(
                 '/splitserve.v1.StateStore/Put',
-                request_serializer=proto_dot_common__pb2.StateChunk.SerializeToString,
-                response_deserializer=proto_dot_store__pb2.PutResponse.FromString,
+                request_serializer=splitserve_dot_v1_dot_common__pb2.StateChunk.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_store__pb2.PutResponse.FromString,
                 _registered_method=True)
         self.Get = channel.unary_stream(
                 '/splitserve.v1.StateStore/Get',
-                request_serializer=proto_dot_store__pb2.GetRequest.SerializeToString,
-                response_deserializer=proto_dot_common__pb2.StateChunk.FromString,
+                request_serializer=splitserve_dot_v1_dot_store__pb2.GetRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_common__pb2.StateChunk.FromString,
                 _registered_method=True)
         self.Lookup = channel.unary_unary(
                 '/splitserve.v1.StateStore/Lookup',
-                request_serializer=proto_dot_store__pb2.LookupRequest.SerializeToString,
-                response_deserializer=proto_dot_store__pb2.LookupResponse.FromString,
+                request_serializer=splitserve_dot_v1_dot_store__pb2.LookupRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_store__pb2.LookupResponse.FromString,
                 _registered_method=True)
         self.Register = channel.unary_unary(
                 '/splitserve.v1.StateStore/Register',
-                request_serializer=proto_dot_store__pb2.RegisterRequest.SerializeToString,
-                response_deserializer=proto_dot_store__pb2.RegisterResponse.FromString,
+                request_serializer=splitserve_dot_v1_dot_store__pb2.RegisterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_store__pb2.RegisterResponse.FromString,
                 _registered_method=True)
         self.Renew = channel.unary_unary(
                 '/splitserve.v1.StateStore/Renew',
-                request_serializer=proto_dot_store__pb2.RenewRequest.SerializeToString,
-                response_deserializer=proto_dot_store__pb2.RenewResponse.FromString,
+                request_serializer=splitserve_dot_v1_dot_store__pb2.RenewRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_store__pb2.RenewResponse.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/splitserve.v1.StateStore/Release',
-                request_serializer=proto_dot_store__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=proto_dot_store__pb2.ReleaseResponse.FromString,
+                request_serializer=splitserve_dot_v1_dot_store__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_store__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/splitserve.v1.StateStore/Stats',
-                request_serializer=proto_dot_store__pb2.StatsRequest.SerializeToString,
-                response_deserializer=proto_dot_store__pb2.StoreStats.FromString,
+                request_serializer=splitserve_dot_v1_dot_store__pb2.StatsRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_store__pb2.StoreStats.FromString,
                 _registered_method=True)
 
 
@@ -131,38 +131,38 @@ def add_StateStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Put': grpc.stream_unary_rpc_method_handler(
                     servicer.Put,
-                    request_deserializer=proto_dot_common__pb2.StateChunk.FromString,
-                    response_serializer=proto_dot_store__pb2.PutResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_common__pb2.StateChunk.FromString,
+                    response_serializer=splitserve_dot_v1_dot_store__pb2.PutResponse.SerializeToString,
             ),
             'Get': grpc.unary_stream_rpc_method_handler(
                     servicer.Get,
-                    request_deserializer=proto_dot_store__pb2.GetRequest.FromString,
-                    response_serializer=proto_dot_common__pb2.StateChunk.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_store__pb2.GetRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_common__pb2.StateChunk.SerializeToString,
             ),
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
-                    request_deserializer=proto_dot_store__pb2.LookupRequest.FromString,
-                    response_serializer=proto_dot_store__pb2.LookupResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_store__pb2.LookupRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_store__pb2.LookupResponse.SerializeToString,
             ),
             'Register': grpc.unary_unary_rpc_method_handler(
                     servicer.Register,
-                    request_deserializer=proto_dot_store__pb2.RegisterRequest.FromString,
-                    response_serializer=proto_dot_store__pb2.RegisterResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_store__pb2.RegisterRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_store__pb2.RegisterResponse.SerializeToString,
             ),
             'Renew': grpc.unary_unary_rpc_method_handler(
                     servicer.Renew,
-                    request_deserializer=proto_dot_store__pb2.RenewRequest.FromString,
-                    response_serializer=proto_dot_store__pb2.RenewResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_store__pb2.RenewRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_store__pb2.RenewResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
-                    request_deserializer=proto_dot_store__pb2.ReleaseRequest.FromString,
-                    response_serializer=proto_dot_store__pb2.ReleaseResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_store__pb2.ReleaseRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_store__pb2.ReleaseResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=proto_dot_store__pb2.StatsRequest.FromString,
-                    response_serializer=proto_dot_store__pb2.StoreStats.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_store__pb2.StatsRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_store__pb2.StoreStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -191,8 +191,8 @@ class StateStore:
             request_iterator,
             target,
             '/splitserve.v1.StateStore/Put',
-            proto_dot_common__pb2.StateChunk.SerializeToString,
-            proto_dot_store__pb2.PutResponse.FromString,
+            splitserve_dot_v1_dot_common__pb2.StateChunk.SerializeToString,
+            splitserve_dot_v1_dot_store__pb2.PutResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -218,8 +218,8 @@ class StateStore:
             request,
             target,
             '/splitserve.v1.StateStore/Get',
-            proto_dot_store__pb2.GetRequest.SerializeToString,
-            proto_dot_common__pb2.StateChunk.FromString,
+            splitserve_dot_v1_dot_store__pb2.GetRequest.SerializeToString,
+            splitserve_dot_v1_dot_common__pb2.StateChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -245,8 +245,8 @@ class StateStore:
             request,
             target,
             '/splitserve.v1.StateStore/Lookup',
-            proto_dot_store__pb2.LookupRequest.SerializeToString,
-            proto_dot_store__pb2.LookupResponse.FromString,
+            splitserve_dot_v1_dot_store__pb2.LookupRequest.SerializeToString,
+            splitserve_dot_v1_dot_store__pb2.LookupResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -272,8 +272,8 @@ class StateStore:
             request,
             target,
             '/splitserve.v1.StateStore/Register',
-            proto_dot_store__pb2.RegisterRequest.SerializeToString,
-            proto_dot_store__pb2.RegisterResponse.FromString,
+            splitserve_dot_v1_dot_store__pb2.RegisterRequest.SerializeToString,
+            splitserve_dot_v1_dot_store__pb2.RegisterResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -299,8 +299,8 @@ class StateStore:
             request,
             target,
             '/splitserve.v1.StateStore/Renew',
-            proto_dot_store__pb2.RenewRequest.SerializeToString,
-            proto_dot_store__pb2.RenewResponse.FromString,
+            splitserve_dot_v1_dot_store__pb2.RenewRequest.SerializeToString,
+            splitserve_dot_v1_dot_store__pb2.RenewResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -326,8 +326,8 @@ class StateStore:
             request,
             target,
             '/splitserve.v1.StateStore/Release',
-            proto_dot_store__pb2.ReleaseRequest.SerializeToString,
-            proto_dot_store__pb2.ReleaseResponse.FromString,
+            splitserve_dot_v1_dot_store__pb2.ReleaseRequest.SerializeToString,
+            splitserve_dot_v1_dot_store__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -353,8 +353,8 @@ class StateStore:
             request,
             target,
             '/splitserve.v1.StateStore/Stats',
-            proto_dot_store__pb2.StatsRequest.SerializeToString,
-            proto_dot_store__pb2.StoreStats.FromString,
+            splitserve_dot_v1_dot_store__pb2.StatsRequest.SerializeToString,
+            splitserve_dot_v1_dot_store__pb2.StoreStats.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import prefill_pb2 as proto_dot_prefill__pb2
+from splitserve.v1 import prefill_pb2 as splitserve_dot_v1_dot_prefill__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/prefill_pb2_grpc.py depends on'
+        + ' but the generated code in splitserve/v1/prefill_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,18 +37,18 @@ class PrefillStub:
         """
         self.Prefill = channel.unary_unary(
                 '/splitserve.v1.Prefill/Prefill',
-                request_serializer=proto_dot_prefill__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=proto_dot_prefill__pb2.PrefillResponse.FromString,
+                request_serializer=splitserve_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/splitserve.v1.Prefill/Abort',
-                request_serializer=proto_dot_prefill__pb2.AbortPrefillRequest.SerializeToString,
-                response_deserializer=proto_dot_prefill__pb2.AbortPrefillResponse.FromString,
+                request_serializer=splitserve_dot_v1_dot_prefill__pb2.AbortPrefillRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_prefill__pb2.AbortPrefillResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/splitserve.v1.Prefill/Stats',
-                request_serializer=proto_dot_prefill__pb2.PrefillStatsRequest.SerializeToString,
-                response_deserializer=proto_dot_prefill__pb2.PrefillStats.FromString,
+                request_serializer=splitserve_dot_v1_dot_prefill__pb2.PrefillStatsRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_prefill__pb2.PrefillStats.FromString,
                 _registered_method=True)
 
 
@@ -81,18 +81,18 @@ def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=proto_dot_prefill__pb2.PrefillRequest.FromString,
-                    response_serializer=proto_dot_prefill__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_prefill__pb2.PrefillResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=proto_dot_prefill__pb2.AbortPrefillRequest.FromString,
-                    response_serializer=proto_dot_prefill__pb2.AbortPrefillResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_prefill__pb2.AbortPrefillRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_prefill__pb2.AbortPrefillResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=proto_dot_prefill__pb2.PrefillStatsRequest.FromString,
-                    response_serializer=proto_dot_prefill__pb2.PrefillStats.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_prefill__pb2.PrefillStatsRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_prefill__pb2.PrefillStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -121,8 +121,8 @@ class Prefill:
             request,
             target,
             '/splitserve.v1.Prefill/Prefill',
-            proto_dot_prefill__pb2.PrefillRequest.SerializeToString,
-            proto_dot_prefill__pb2.PrefillResponse.FromString,
+            splitserve_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
+            splitserve_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -148,8 +148,8 @@ class Prefill:
             request,
             target,
             '/splitserve.v1.Prefill/Abort',
-            proto_dot_prefill__pb2.AbortPrefillRequest.SerializeToString,
-            proto_dot_prefill__pb2.AbortPrefillResponse.FromString,
+            splitserve_dot_v1_dot_prefill__pb2.AbortPrefillRequest.SerializeToString,
+            splitserve_dot_v1_dot_prefill__pb2.AbortPrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -175,8 +175,8 @@ class Prefill:
             request,
             target,
             '/splitserve.v1.Prefill/Stats',
-            proto_dot_prefill__pb2.PrefillStatsRequest.SerializeToString,
-            proto_dot_prefill__pb2.PrefillStats.FromString,
+            splitserve_dot_v1_dot_prefill__pb2.PrefillStatsRequest.SerializeToString,
+            splitserve_dot_v1_dot_prefill__pb2.PrefillStats.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import decode_pb2 as proto_dot_decode__pb2
+from splitserve.v1 import decode_pb2 as splitserve_dot_v1_dot_decode__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/decode_pb2_grpc.py depends on'
+        + ' but the generated code in splitserve/v1/decode_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,23 +37,23 @@ class DecodeStub:
         """
         self.Reserve = channel.unary_unary(
                 '/splitserve.v1.Decode/Reserve',
-                request_serializer=proto_dot_decode__pb2.ReserveRequest.SerializeToString,
-                response_deserializer=proto_dot_decode__pb2.ReserveResponse.FromString,
+                request_serializer=splitserve_dot_v1_dot_decode__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_decode__pb2.ReserveResponse.FromString,
                 _registered_method=True)
         self.Decode = channel.unary_stream(
                 '/splitserve.v1.Decode/Decode',
-                request_serializer=proto_dot_decode__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=proto_dot_decode__pb2.TokenDelta.FromString,
+                request_serializer=splitserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_decode__pb2.TokenDelta.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/splitserve.v1.Decode/Abort',
-                request_serializer=proto_dot_decode__pb2.AbortDecodeRequest.SerializeToString,
-                response_deserializer=proto_dot_decode__pb2.AbortDecodeResponse.FromString,
+                request_serializer=splitserve_dot_v1_dot_decode__pb2.AbortDecodeRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_decode__pb2.AbortDecodeResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/splitserve.v1.Decode/Stats',
-                request_serializer=proto_dot_decode__pb2.DecodeStatsRequest.SerializeToString,
-                response_deserializer=proto_dot_decode__pb2.DecodeStats.FromString,
+                request_serializer=splitserve_dot_v1_dot_decode__pb2.DecodeStatsRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_decode__pb2.DecodeStats.FromString,
                 _registered_method=True)
 
 
@@ -92,23 +92,23 @@ def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Reserve': grpc.unary_unary_rpc_method_handler(
                     servicer.Reserve,
-                    request_deserializer=proto_dot_decode__pb2.ReserveRequest.FromString,
-                    response_serializer=proto_dot_decode__pb2.ReserveResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_decode__pb2.ReserveRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_decode__pb2.ReserveResponse.SerializeToString,
             ),
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
-                    request_deserializer=proto_dot_decode__pb2.DecodeRequest.FromString,
-                    response_serializer=proto_dot_decode__pb2.TokenDelta.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_decode__pb2.DecodeRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_decode__pb2.TokenDelta.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=proto_dot_decode__pb2.AbortDecodeRequest.FromString,
-                    response_serializer=proto_dot_decode__pb2.AbortDecodeResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_decode__pb2.AbortDecodeRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_decode__pb2.AbortDecodeResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=proto_dot_decode__pb2.DecodeStatsRequest.FromString,
-                    response_serializer=proto_dot_decode__pb2.DecodeStats.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_decode__pb2.DecodeStatsRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_decode__pb2.DecodeStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -137,8 +137,8 @@ class Decode:
             request,
             target,
             '/splitserve.v1.Decode/Reserve',
-            proto_dot_decode__pb2.ReserveRequest.SerializeToString,
-            proto_dot_decode__pb2.ReserveResponse.FromString,
+            splitserve_dot_v1_dot_decode__pb2.ReserveRequest.SerializeToString,
+            splitserve_dot_v1_dot_decode__pb2.ReserveResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -164,8 +164,8 @@ class Decode:
             request,
             target,
             '/splitserve.v1.Decode/Decode',
-            proto_dot_decode__pb2.DecodeRequest.SerializeToString,
-            proto_dot_decode__pb2.TokenDelta.FromString,
+            splitserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
+            splitserve_dot_v1_dot_decode__pb2.TokenDelta.FromString,
             options,
             channel_credentials,
             insecure,
@@ -191,8 +191,8 @@ class Decode:
             request,
             target,
             '/splitserve.v1.Decode/Abort',
-            proto_dot_decode__pb2.AbortDecodeRequest.SerializeToString,
-            proto_dot_decode__pb2.AbortDecodeResponse.FromString,
+            splitserve_dot_v1_dot_decode__pb2.AbortDecodeRequest.SerializeToString,
+            splitserve_dot_v1_dot_decode__pb2.AbortDecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -218,8 +218,8 @@ class Decode:
             request,
             target,
             '/splitserve.v1.Decode/Stats',
-            proto_dot_decode__pb2.DecodeStatsRequest.SerializeToString,
-            proto_dot_decode__pb2.DecodeStats.FromString,
+            splitserve_dot_v1_dot_decode__pb2.DecodeStatsRequest.SerializeToString,
+            splitserve_dot_v1_dot_decode__pb2.DecodeStats.FromString,
             options,
             channel_credentials,
             insecure,
