@@ -162,8 +162,9 @@ class Sampler:
 
     Promises: a seeded row's token depends only on its logits, its parameters, its seed and the
     index of the token it draws; never on the other rows, their order, earlier calls, `base_seed`
-    or the process. Its noise comes from a CPU generator seeded with `draw_seed(seed, index)`, so
-    the draws are the same on every device. Unseeded rows share one generator seeded with
+    or the process. Its noise comes from a CPU generator seeded with `draw_seed(seed, index)`, one
+    value per token id, so the draws are the same on every device and a token's draw does not
+    depend on which other tokens top-k / top-p / min-p kept. Unseeded rows share one generator seeded with
     `base_seed`, drawn in one batch. `vocab_size` is the width of the logits (the model's, which
     may exceed the tokenizer's). Stopping is the engine's business; this only masks stop tokens
     before `min_tokens`.
@@ -255,9 +256,7 @@ class Sampler:
             logits = _take(x, whole)
             temperature = torch.tensor([params[i].temperature for i in whole], device=x.device)[:, None]
             weight = (logits - logits.amax(dim=1, keepdim=True)).div_(temperature).exp_()
-            whole_seeds = [seeds[i] for i in whole]
-            num_seeded = sum(s is not None for s in whole_seeds)
-            q = self._exponentials(whole_seeds, [self.vocab_size] * num_seeded, None, weight.shape[1])
+            q = self._exponentials([seeds[i] for i in whole], weight.shape[1])
             _put(token_ids, whole, weight.div_(q).argmax(dim=1))
         if cut:
             _put(
@@ -298,38 +297,31 @@ class Sampler:
     def _race(
         self, vals: torch.Tensor, ids: torch.Tensor, keep: torch.Tensor, seeds: list[int | None]
     ) -> torch.Tensor:
-        """Exponential race among kept candidates. A seeded row's draws go to its kept tokens in
-        ascending token-id order, so they do not depend on how many candidates were looked at."""
+        """Exponential race among kept candidates. A seeded row's noise is indexed by token id, so
+        it depends neither on how many candidates were looked at nor on which were kept: a float
+        wobble at the top-p / min-p boundary changes the sample only if the boundary token wins."""
         weight = (vals - vals[:, :1]).exp_().masked_fill_(~keep, 0.0)
-        seeded = [j for j, s in enumerate(seeds) if s is not None]
-        kept_counts: list[int] = []
-        id_order = None
-        if seeded:
-            seeded_keep = _take(keep, seeded)
-            id_order = torch.where(seeded_keep, _take(ids, seeded), self.vocab_size).argsort(
-                dim=1, stable=True
-            )
-            kept_counts = seeded_keep.sum(dim=1).tolist()
-        q = self._exponentials(seeds, kept_counts, id_order, vals.shape[1])
+        q = self._exponentials(seeds, vals.shape[1], ids)
         return ids.gather(1, weight.div_(q).argmax(dim=1, keepdim=True)).squeeze(1)
 
     def _exponentials(
-        self, seeds: list[int | None], kept_counts: list[int], id_order: torch.Tensor | None, width: int
+        self, seeds: list[int | None], width: int, ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Exp(1) noise [rows, width]. Seeded row j (in seed order) gets `kept_counts[j]` draws from
-        its own generator, placed at columns `id_order[j]` (or in column order when None)."""
+        """Exp(1) noise [rows, width]. Unseeded rows share one generator. Seeded row i draws one
+        value per vocabulary token from its own generator; column c gets token `ids[i, c]`'s value
+        (token c's when `ids` is None, so `width` is then the vocabulary size)."""
         seeded = [i for i, s in enumerate(seeds) if s is not None]
         q = torch.empty(len(seeds), width, dtype=torch.float32, device=self.device)
         if len(seeded) < len(seeds):
             q.uniform_(generator=self._generator).log_().neg_().clamp_min_(_TINY)
         if seeded:
-            uniform = torch.ones(len(seeded), width, dtype=torch.float32)
+            uniform = torch.empty(len(seeded), self.vocab_size, dtype=torch.float32)
             for j, i in enumerate(seeded):
                 self._seeded_generator.manual_seed(seeds[i])  # type: ignore[arg-type]
-                uniform[j, : kept_counts[j]].uniform_(generator=self._seeded_generator)
+                uniform[j].uniform_(generator=self._seeded_generator)
             noise = uniform.log_().neg_().clamp_min_(_TINY).to(self.device)
-            if id_order is not None:
-                noise = torch.empty_like(noise).scatter_(1, id_order, noise)
+            if ids is not None:
+                noise = noise.gather(1, _take(ids, seeded))
             q = noise if len(seeded) == len(seeds) else q.index_copy_(0, _index(seeded, q.device), noise)
         return q
 

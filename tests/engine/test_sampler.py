@@ -270,6 +270,23 @@ def test_seeded_noise_follows_token_ids_not_the_order_topk_gave_ties():
         assert sampler._race(vals, ids, keep, seeds) == sampler._race(vals, ids[:, perm], keep, seeds)
 
 
+def test_a_token_entering_the_nucleus_changes_a_seeded_draw_only_when_it_wins():
+    """Float wobble across batch shapes can move the top-p boundary by one token (a real flake:
+    a tiny model's near-flat distribution put the cumulative mass 2e-8 from top_p). Only a draw
+    that the extra token wins may change."""
+    logits_row = 0.01 * torch.arange(VOCAB, dtype=torch.float32)  # near-flat, the last id likeliest
+    mass = logits_row.flip(0).softmax(0).cumsum(0).tolist()  # by rank
+    logits = logits_row.expand(200, -1)
+    narrow = [row(seed=s, top_p=(mass[9] + mass[10]) / 2) for s in range(200)]  # keeps ids 21..31
+    wide = [row(seed=s, top_p=(mass[10] + mass[11]) / 2) for s in range(200)]  # and id 20, below all
+    narrow_ids = Sampler(VOCAB, [])(logits, narrow).token_ids
+    wide_ids = Sampler(VOCAB, [])(logits, wide).token_ids
+    assert set(narrow_ids) == set(range(21, 32)) and set(wide_ids) == set(range(20, 32))
+    changed = [(a, b) for a, b in zip(narrow_ids, wide_ids) if a != b]
+    assert changed, "the token that entered should win some draws"
+    assert all(b == 20 for _, b in changed)  # every other draw is untouched
+
+
 def test_seeded_draws_differ_across_output_index():
     logits = torch.zeros(1, 1000)
     sampler = Sampler(1000, [])
