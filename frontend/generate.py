@@ -112,6 +112,9 @@ class Generation:
         self.num_cached_tokens = response.num_cached_tokens
         timing = response.timing
         self.p.metrics.queue.labels(self.p.metrics.model_name, "prefill").observe(timing.queue_s)
+        if timing.state_bytes:
+            self.p.metrics.transfer_bytes.labels(self.p.metrics.model_name).observe(timing.state_bytes)
+            self.p.metrics.transfer_stream_s.labels(self.p.metrics.model_name).observe(timing.state_stream_s)
         step = self._step(
             [response.first_token_id],
             [response.first_logprobs] if response.HasField("first_logprobs") else [],

@@ -11,6 +11,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKEN_BUCKETS = (1, 8, 32, 128, 512, 2048, 8192, 32768, 131072)
+_BYTE_BUCKETS = tuple(float(1 << shift) for shift in range(10, 41, 2))  # 1 KiB .. 1 TiB
 
 
 class GatewayMetrics:
@@ -44,6 +45,14 @@ class GatewayMetrics:
             "splitserve_state_transfer_seconds",
             "State handoff not overlapped with compute (prefill put tail + decode wait)",
             _LATENCY_BUCKETS_S,
+        )
+        self.transfer_stream_s = histogram(
+            "splitserve_state_stream_seconds",
+            "Whole state stream per request: first layer queued on the prefill to the store's ack",
+            _LATENCY_BUCKETS_S,
+        )
+        self.transfer_bytes = histogram(
+            "splitserve_state_transfer_bytes", "State bytes handed from prefill to decode", _BYTE_BUCKETS
         )
         self.prompt_tokens_hist = histogram(
             "splitserve_request_prompt_tokens", "Prompt tokens", _TOKEN_BUCKETS

@@ -81,6 +81,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNAVAILABLE
             abort(context, code, f"writing state to {request.store_address} failed: {exc.details()}")  # type: ignore[attr-defined]
         put_s = time.time() - put_started
+        stream_s = writer.stream_s()
         req = update.request
         self._num_prompt_tokens += req.num_prompt_tokens
         reason = None if req.finish_reason == HANDOFF else req.finish_reason
@@ -92,7 +93,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             finish_reason=FINISH_TO_PROTO[reason],
             num_prompt_tokens=req.num_prompt_tokens,
             timing=prefill_pb2.PrefillTiming(
-                arrival_unix_s=arrival, queue_s=0.0, prefill_s=prefill_s, state_put_s=put_s
+                arrival_unix_s=arrival,
+                queue_s=0.0,
+                prefill_s=prefill_s,
+                state_put_s=put_s,
+                state_bytes=writer.num_bytes,
+                state_stream_s=stream_s,
             ),
         )
         if update.new_logprobs:

@@ -7,6 +7,7 @@ so the engine never waits on the network; `finish` seals the key and waits for t
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Iterator
 
 from splitserve.engine.state_codec import encode, seal
@@ -22,10 +23,13 @@ class StateWriter:
     def __init__(self, stub: store_pb2_grpc.StateStoreStub, key: str, owner: str, lease_s: float) -> None:
         self.key, self.owner, self.lease_s = key, owner, lease_s
         self.num_bytes = 0
+        self.first_write_s: float | None = None  # monotonic time the first layer was queued
         self._queue: queue.Queue[common_pb2.StateChunk | None] = queue.Queue()
         self._call = stub.Put.future(self._messages())
 
     def write(self, state: LayerState) -> None:
+        if self.first_write_s is None:
+            self.first_write_s = time.monotonic()
         for chunk in encode(state, self.key, self.owner, self.lease_s):
             self.num_bytes += len(chunk.data)
             self._queue.put(chunk)
@@ -34,6 +38,10 @@ class StateWriter:
         self._queue.put(seal(self.key, self.owner))
         self._queue.put(_END)
         return self._call.result(timeout=timeout_s)
+
+    def stream_s(self) -> float:
+        """Seconds from the first layer queued until now (call after `finish`); 0 if none was."""
+        return 0.0 if self.first_write_s is None else time.monotonic() - self.first_write_s
 
     def cancel(self) -> None:
         self._queue.put(_END)

@@ -28,16 +28,20 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., store_address: _Optional[str] = ..., state_key: _Optional[str] = ..., state_owner: _Optional[str] = ..., lease_s: _Optional[float] = ..., prefix_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PrefillTiming(_message.Message):
-    __slots__ = ("arrival_unix_s", "queue_s", "prefill_s", "state_put_s")
+    __slots__ = ("arrival_unix_s", "queue_s", "prefill_s", "state_put_s", "state_bytes", "state_stream_s")
     ARRIVAL_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     STATE_PUT_S_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATE_STREAM_S_FIELD_NUMBER: _ClassVar[int]
     arrival_unix_s: float
     queue_s: float
     prefill_s: float
     state_put_s: float
-    def __init__(self, arrival_unix_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., state_put_s: _Optional[float] = ...) -> None: ...
+    state_bytes: int
+    state_stream_s: float
+    def __init__(self, arrival_unix_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., state_put_s: _Optional[float] = ..., state_bytes: _Optional[int] = ..., state_stream_s: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token_id", "first_logprobs", "finish_reason", "stop_token_id", "state", "num_prompt_tokens", "num_cached_tokens", "timing")

@@ -69,7 +69,9 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
             first_token_id=first,
             finish_reason=finish,
             num_prompt_tokens=len(request.prompt_token_ids),
-            timing=prefill_pb2.PrefillTiming(queue_s=0.001, prefill_s=0.002, state_put_s=0.003),
+            timing=prefill_pb2.PrefillTiming(
+                queue_s=0.001, prefill_s=0.002, state_put_s=0.003, state_bytes=4096, state_stream_s=0.005
+            ),
         )
         if stop_token_id is not None:
             response.stop_token_id = stop_token_id

@@ -113,6 +113,8 @@ def test_metrics_count_ttft_tokens_finish_reasons_and_statuses(gateway: Gateway)
     assert _metric_value(text, "splitserve_queue_time_seconds_count", phase="prefill") == 1
     assert _metric_value(text, "splitserve_queue_time_seconds_count", phase="decode") == 1
     assert _metric_value(text, "splitserve_state_transfer_seconds_sum") == pytest.approx(0.003 + 0.004)
+    assert _metric_value(text, "splitserve_state_transfer_bytes_sum") == 4096
+    assert _metric_value(text, "splitserve_state_stream_seconds_sum") == pytest.approx(0.005)
     assert (
         _metric_value(text, "splitserve_http_responses_total", route="/v1/completions", status_code="200")
         == 1

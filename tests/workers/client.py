@@ -16,6 +16,7 @@ from splitserve.wire import FINISH_FROM_PROTO, sampling_params_to_proto
 class Result:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    timing: prefill_pb2.PrefillTiming | None = None  # the prefill's report
 
 
 def generate(
@@ -44,7 +45,7 @@ def generate(
                 decode_pb2.AbortDecodeRequest(request_id=request_id), timeout=30
             )  # as the gateway does
             raise
-        result = Result([first.first_token_id], FINISH_FROM_PROTO[first.finish_reason])
+        result = Result([first.first_token_id], FINISH_FROM_PROTO[first.finish_reason], first.timing)
         if result.finish_reason is not None:
             decode.Abort(decode_pb2.AbortDecodeRequest(request_id=request_id), timeout=30)
             return result

@@ -58,6 +58,17 @@ def test_every_resource_is_freed_after_the_requests(cluster, store_server, offli
     assert all(t.num_bytes == 0 for t in store_stats.tiers)
 
 
+def test_the_prefill_reports_every_state_byte_it_streamed(cluster):
+    workers, addr = cluster
+    plan = workers["prefill"].loop.engine.plan
+    mla_bytes_per_token = plan.block_bytes // plan.mla.block_size  # every MLA layer's latent row
+    for i, prompt in enumerate(PROMPTS[:2]):
+        timing = generate(addr["prefill"], addr["decode"], f"bytes-{i}", prompt, _params(0)).timing
+        assert timing is not None
+        assert timing.state_bytes == len(prompt) * mla_bytes_per_token + plan.slot_bytes
+        assert timing.state_stream_s >= timing.state_put_s > 0
+
+
 def test_decode_without_reservation_is_not_found(cluster):
     _, addr = cluster
     with make_channel(addr["decode"]) as ch, pytest.raises(grpc.RpcError) as err:
