@@ -156,6 +156,18 @@ def _run_resize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from splitserve.bench.cli import add_bench_arguments
+
+    add_bench_arguments(parser)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from splitserve.bench.cli import run_bench
+
+    return run_bench(args)
+
+
 COMMANDS: dict[str, Command] = {
     "make-tiny-model": Command(
         help="write a random tiny kimi_linear checkpoint with its tokenizer",
@@ -182,6 +194,11 @@ COMMANDS: dict[str, Command] = {
         help="check a cluster config file (config check FILE) or print the default (config default)",
         add_arguments=_add_config_arguments,
         run=_run_config,
+    ),
+    "bench": Command(
+        help="benchmark a serving endpoint (bench serve: TTFT, TPOT, ITL, throughput, goodput)",
+        add_arguments=_add_bench_arguments,
+        run=_run_bench,
     ),
 }
 

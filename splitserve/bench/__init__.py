@@ -1,0 +1,12 @@
+"""`splitserve bench`: serving benchmarks that drive any OpenAI-compatible server over HTTP.
+
+The pieces, each reusable on its own (none imports torch):
+
+* `datasets`: seeded synthetic workloads (`build_dataset`): random, shared-prefix, multi-turn.
+* `runner`: `run_benchmark(dataset, RunConfig(...))` streams them at a server, returns a
+  `BenchmarkResult` (`result`) with every request's `RequestRecord` (`records`).
+* `metrics`: `summarize(records, duration_s, slos_ms)` gives the `Summary` (TTFT, TPOT, ITL,
+  E2E latency percentiles, throughputs, goodput); `report` prints it as a table.
+* `serve`: the `splitserve bench serve` command (`add_serve_arguments`, `run_serve`); `cli` holds
+  the table of bench subcommands.
+"""
