@@ -16,10 +16,7 @@ def arrival_offsets(
     process (exponential gaps); below 1 burstier, above 1 more regular (as vLLM's `--burstiness`).
     The same arguments give the same offsets.
     """
-    if request_rate <= 0 or math.isnan(request_rate):
-        raise ValueError(f"request rate must be positive or inf (got {request_rate})")
-    if burstiness <= 0:
-        raise ValueError(f"burstiness must be positive (got {burstiness})")
+    check_arrivals(request_rate, burstiness)
     if math.isinf(request_rate):
         return [0.0] * num_arrivals
     rng = random.Random(f"arrivals:{seed}")  # its own stream: the dataset draws from `seed` itself
@@ -29,3 +26,11 @@ def arrival_offsets(
         offsets.append(now_s)
         now_s += rng.gammavariate(burstiness, scale_s)
     return offsets
+
+
+def check_arrivals(request_rate: float, burstiness: float) -> None:
+    """Raise ValueError unless the rate is positive (or inf) and the burstiness positive."""
+    if request_rate <= 0 or math.isnan(request_rate):
+        raise ValueError(f"request rate must be positive or inf (got {request_rate})")
+    if burstiness <= 0:
+        raise ValueError(f"burstiness must be positive (got {burstiness})")

@@ -78,7 +78,7 @@ def summarize(
 ) -> Summary:
     """The summary of `records` over a run of `duration_s`; `slos_ms` maps ttft/tpot/e2el to limits."""
     slos = dict(slos_ms or {})
-    _check_slo_names(slos)
+    check_slo_names(slos)
     done = [r for r in records if r.success]
     input_tokens = sum(r.prompt_tokens for r in done)
     output_tokens = sum(r.output_tokens for r in done)
@@ -127,11 +127,12 @@ def parse_slos(specs: Sequence[str]) -> dict[str, float]:
         if limit_ms < 0:
             raise ValueError(f"goodput SLO {spec!r}: the limit must not be negative")
         slos[name] = limit_ms
-    _check_slo_names(slos)
+    check_slo_names(slos)
     return slos
 
 
-def _check_slo_names(slos: Mapping[str, float]) -> None:
+def check_slo_names(slos: Mapping[str, float]) -> None:
+    """Raise ValueError naming any SLO metric other than ttft, tpot and e2el."""
     for name in slos:
         if name not in SLO_METRICS:
             raise ValueError(f"goodput SLO metric {name!r} is unknown; use {', '.join(SLO_METRICS)}")

@@ -26,7 +26,8 @@ def format_summary(summary: Summary, title: str = "Serving benchmark") -> str:
     ]
     if summary.goodput_rps is not None:
         slos = ", ".join(f"{name} <= {limit:g} ms" for name, limit in summary.slos_ms.items())
-        rows.append(_row(f"Request goodput (req/s; {slos})", f"{summary.goodput_rps:.2f}"))
+        rows.append(f"Goodput SLOs: {slos}")
+        rows.append(_row("Request goodput (req/s)", f"{summary.goodput_rps:.2f}"))
     rows += [
         _row("Output token throughput (tok/s)", f"{summary.output_throughput_tps:.2f}"),
         _row("Total token throughput (tok/s)", f"{summary.total_token_throughput_tps:.2f}"),

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import math
 import time
+from collections.abc import Coroutine
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -21,10 +22,10 @@ import httpx
 from tqdm import tqdm
 
 from splitserve.bench.api import ENDPOINTS, endpoint_url, streaming_body
-from splitserve.bench.arrivals import arrival_offsets
+from splitserve.bench.arrivals import arrival_offsets, check_arrivals
 from splitserve.bench.client import stream_request
 from splitserve.bench.datasets import BenchRequest, Conversation, Dataset, Session
-from splitserve.bench.metrics import SLO_METRICS, summarize
+from splitserve.bench.metrics import check_slo_names, summarize
 from splitserve.bench.records import RequestRecord
 from splitserve.bench.result import BenchmarkResult
 from splitserve.bench.tokenizer import BenchTokenizer
@@ -61,10 +62,8 @@ class RunConfig:
             raise ValueError(f"max_concurrency must be at least 1 (got {self.max_concurrency})")
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be positive (got {self.request_timeout_s})")
-        unknown = set(self.slos_ms) - set(SLO_METRICS)
-        if unknown:
-            raise ValueError(f"unknown SLO metric(s) {sorted(unknown)}; use {', '.join(SLO_METRICS)}")
-        arrival_offsets(0, self.request_rate, self.burstiness)  # validates both
+        check_slo_names(self.slos_ms)
+        check_arrivals(self.request_rate, self.burstiness)
 
     def to_dict(self) -> dict[str, Any]:
         """The config as recorded in a result; the API key is left out."""
@@ -106,7 +105,7 @@ async def run_benchmark(
     )
 
 
-def _tasks(run: _Run, dataset: Dataset, config: RunConfig) -> list[Any]:
+def _tasks(run: _Run, dataset: Dataset, config: RunConfig) -> list[Coroutine[Any, Any, list[RequestRecord]]]:
     if dataset.is_multi_turn:
         offsets = arrival_offsets(len(dataset.sessions), config.request_rate, config.burstiness, config.seed)
         first_indices, next_index = [], 0
