@@ -8,7 +8,6 @@ lands, and every complete layer is scattered into the reserved room on the engin
 from __future__ import annotations
 
 import functools
-import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -62,28 +61,13 @@ class StateReader:
             call.cancel()
 
     def _open(self, deadline: float):  # type: ignore[no-untyped-def]
-        """The Get stream, once the prefill's first put has created the key.
-
-        The store answers NOT_FOUND for a key nobody has written yet; until the deadline that
-        means "not yet", so retry with a short, growing pause (a few ms: prefill is running).
-        """
-        pause = 0.002
-        while True:
-            remaining = deadline - time.monotonic()
-            stream = self.stub.Get(store_pb2.GetRequest(key=self.key, timeout_s=remaining), timeout=remaining)
-            self._call = stream
-            try:
-                first = next(stream)
-            except StopIteration:
-                return iter(())
-            except grpc.RpcError as exc:
-                not_yet = exc.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
-                if not not_yet or self._cancelled or remaining < pause:
-                    raise
-                time.sleep(pause)
-                pause = min(pause * 2, 0.05)
-                continue
-            return itertools.chain([first], stream)
+        """The Get stream; the store holds it open until the prefill's first put creates the key."""
+        remaining = deadline - time.monotonic()
+        request = store_pb2.GetRequest(key=self.key, timeout_s=remaining, wait_for_key=True)
+        self._call = call = self.stub.Get(request, timeout=remaining)
+        if self._cancelled:  # cancel() ran before the call existed
+            call.cancel()
+        return call
 
     def _pull(self) -> None:
         try:

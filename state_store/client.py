@@ -79,10 +79,18 @@ class StateStoreClient:
         self._call(lambda: self._stub.Put(iter([seal_message(key, owner)]), timeout=self.timeout_s))
 
     def get(
-        self, key: str, *, layers: Collection[int] | None = None, timeout_s: float | None = None
+        self,
+        key: str,
+        *,
+        layers: Collection[int] | None = None,
+        timeout_s: float | None = None,
+        wait_for_key: bool = False,
     ) -> Iterator[Chunk]:
-        """Streams `key`'s chunks as they land, until it is sealed; checksums are checked here too."""
-        request = store_pb2.GetRequest(key=key, layers=list(layers or ()), timeout_s=timeout_s or 0.0)
+        """Streams `key`'s chunks as they land, until it is sealed; checksums are checked here too.
+        With `wait_for_key` a key not yet put is waited for rather than NOT_FOUND."""
+        request = store_pb2.GetRequest(
+            key=key, layers=list(layers or ()), timeout_s=timeout_s or 0.0, wait_for_key=wait_for_key
+        )
         stream = self._stub.Get(request)
         try:
             for msg in stream:

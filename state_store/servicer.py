@@ -71,6 +71,7 @@ class StateStoreServicer(store_pb2_grpc.StateStoreServicer):
                 layers=list(request.layers) or None,
                 timeout_s=min(limits, default=None),
                 cancel=cancel,
+                wait_for_key=request.wait_for_key,
             )
             for chunk in chunks:
                 yield chunk_to_proto(chunk)

@@ -20,6 +20,7 @@ from state_store.errors import (
     StateNotFoundError,
     StateReleasedError,
     StateStoreError,
+    StateTimeoutError,
     StoreFullError,
 )
 from state_store.info import KeyInfo, ReleaseResult, StoreConfig, StoreStats
@@ -61,6 +62,7 @@ class StateStore:
         self.max_chunk_bytes = max_chunk_bytes
         self._lock = threading.Lock()
         self._entries: dict[str, Entry] = {}
+        self._key_created = threading.Condition(self._lock)  # readers waiting for a first put
         self._leases = LeaseTable(clock)
         self._prefixes = PrefixIndex()
         self._tombstones = Tombstones(num_tombstones)
@@ -136,12 +138,15 @@ class StateStore:
         layers: Collection[int] | None = None,
         timeout_s: float | None = None,
         cancel: threading.Event | None = None,
+        wait_for_key: bool = False,
     ) -> Iterator[Chunk]:
         """Yields `key`'s chunks (of `layers`, if given) in arrival order as they land.
 
         Ends once the key is sealed and all were yielded, or quietly when `cancel` is set (call
         `wake(key)` after setting it). Raises `StateTimeoutError` if the key is not sealed within
-        `timeout_s` (real seconds), and the key's error if it goes away meanwhile.
+        `timeout_s` (real seconds), and the key's error if it goes away meanwhile. A key nobody
+        has put yet raises `StateNotFoundError`, or with `wait_for_key` is waited for (a reader
+        that starts before its writer; a key already gone still raises why at once).
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s  # real time, not leases'
         wanted = None if layers is None else set(layers)
@@ -149,7 +154,10 @@ class StateStore:
         while True:
             with self._lock:
                 self._expire_locked()
-                entry = self._live_locked(key)
+                waited = self._wait_for_entry_locked(key, deadline, cancel) if wait_for_key else None
+                if wait_for_key and waited is None:
+                    return  # cancelled before the first put
+                entry = waited if waited is not None else self._live_locked(key)
                 if not entry.wait_for_chunk(position, deadline, cancel, on_wake=self._expire_locked):
                     return
                 if position >= len(entry.order):
@@ -162,6 +170,7 @@ class StateStore:
     def wake(self, key: str) -> None:
         """Wakes readers waiting on `key` (so they notice their `cancel` event)."""
         with self._lock:
+            self._key_created.notify_all()
             entry = self._entries.get(key)
             if entry is not None:
                 entry.cond.notify_all()
@@ -263,6 +272,7 @@ class StateStore:
         """Frees everything (waiting readers fail with `StateReleasedError`) and closes the tiers."""
         with self._lock:
             self._closed = True
+            self._key_created.notify_all()
             for entry in list(self._entries.values()):
                 self._drop_locked(entry, StateReleasedError, f"key {entry.key!r} was freed: the store closed")
             self._tiers.close()
@@ -275,6 +285,7 @@ class StateStore:
             self._tombstones.raise_if_gone(key, "; a gone key is never written again")
             self._leases.grant(key, owner, lease_s or self.default_lease_s)
             entry = self._entries[key] = Entry(key, owner, self._lock)
+            self._key_created.notify_all()
             return entry
         if entry.owner != owner:
             raise OwnershipError(f"key {key!r} belongs to {entry.owner!r}; {owner!r} may not write to it")
@@ -293,6 +304,23 @@ class StateStore:
         raise StateNotFoundError(
             f"no state under key {key!r} in this store; was it put here (check the handle's store_address)?"
         )
+
+    def _wait_for_entry_locked(
+        self, key: str, deadline: float | None, cancel: threading.Event | None
+    ) -> Entry | None:
+        """`key`'s entry once a put creates it; None if `cancel` got set first."""
+        while (entry := self._entries.get(key)) is None:
+            self._tombstones.raise_if_gone(key)
+            if self._closed:
+                raise StateReleasedError(f"key {key!r} will never arrive: the store closed")
+            if cancel is not None and cancel.is_set():
+                return None
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise StateTimeoutError(f"nothing was put under key {key!r} in time; is its writer running?")
+            self._key_created.wait(remaining)
+            self._expire_locked()
+        return entry
 
     def _is_sealed_locked(self, key: str) -> bool:
         entry = self._entries.get(key)

@@ -16,14 +16,16 @@ class PutResponse(_message.Message):
     def __init__(self, num_chunks: _Optional[int] = ..., num_bytes: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("key", "layers", "timeout_s")
+    __slots__ = ("key", "layers", "timeout_s", "wait_for_key")
     KEY_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FOR_KEY_FIELD_NUMBER: _ClassVar[int]
     key: str
     layers: _containers.RepeatedScalarFieldContainer[int]
     timeout_s: float
-    def __init__(self, key: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    wait_for_key: bool
+    def __init__(self, key: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ..., wait_for_key: _Optional[bool] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("key", "prefix")

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from state_store.chunk import Chunk
-from state_store.errors import StateReleasedError, StateTimeoutError
+from state_store.errors import StateNotFoundError, StateReleasedError, StateTimeoutError
 from state_store.memory_tier import MemoryTier
 from state_store.store import StateStore
 from tests.state_store.conftest import make_chunk
@@ -84,3 +84,60 @@ def test_a_cancelled_reader_stops_quietly(store: StateStore) -> None:
     store.wake("req")
     reader.join(WAIT_S)
     assert not reader.is_alive() and reader.error is None and len(reader.received) == 1
+
+
+def _signal_when_a_reader_waits_for_the_key(store: StateStore) -> threading.Event:
+    """Set once a reader blocks waiting for a key's first put (so the test orders put after it)."""
+    waiting = threading.Event()
+    condition = store._key_created
+    wait = condition.wait
+
+    def signalling_wait(timeout: float | None = None) -> bool:
+        waiting.set()
+        return wait(timeout)
+
+    condition.wait = signalling_wait  # type: ignore[method-assign]
+    return waiting
+
+
+def test_a_reader_that_starts_before_the_first_put_waits_for_the_key(store: StateStore) -> None:
+    waiting = _signal_when_a_reader_waits_for_the_key(store)
+    reader = Reader(store, "req", wait_for_key=True)
+    reader.start()
+    assert waiting.wait(WAIT_S), "the reader never waited for the key"
+    chunks = [make_chunk("req", layer) for layer in range(3)]
+    for chunk in chunks:
+        store.put(chunk, owner="w")
+    store.seal("req", owner="w")
+    reader.join(WAIT_S)
+    assert not reader.is_alive() and reader.error is None
+    assert [c.data for c in reader.received] == [c.data for c in chunks]
+
+
+def test_without_wait_for_key_an_unknown_key_is_not_found_at_once(store: StateStore) -> None:
+    with pytest.raises(StateNotFoundError):
+        list(store.get("nobody-wrote-this"))
+
+
+def test_waiting_for_a_key_that_never_comes_times_out(store: StateStore) -> None:
+    with pytest.raises(StateTimeoutError, match="nothing was put under key"):
+        list(store.get("req", timeout_s=0.05, wait_for_key=True))
+
+
+def test_waiting_for_a_key_already_released_fails_at_once_with_why(store: StateStore) -> None:
+    store.put(make_chunk("req", 0), owner="w")
+    store.release("req")
+    with pytest.raises(StateReleasedError):
+        list(store.get("req", wait_for_key=True))  # no timeout: it must not wait
+
+
+def test_a_reader_waiting_for_the_key_stops_quietly_when_cancelled(store: StateStore) -> None:
+    waiting = _signal_when_a_reader_waits_for_the_key(store)
+    cancel = threading.Event()
+    reader = Reader(store, "req", wait_for_key=True, cancel=cancel)
+    reader.start()
+    assert waiting.wait(WAIT_S)
+    cancel.set()
+    store.wake("req")
+    reader.join(WAIT_S)
+    assert not reader.is_alive() and reader.error is None and reader.received == []
