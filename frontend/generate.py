@@ -108,6 +108,8 @@ class Generation:
         if prefill_address is None:
             raise unavailable("no prefill workers are available; try again later")
         reservation = await self._reserve(decode_candidates)
+        if self._decode_address in self.p.router.prefill_addresses:
+            prefill_address = self._decode_address  # colocated: the engine holding the room prefills
         response = await self._prefill(prefill_address, reservation)
         self.num_cached_tokens = response.num_cached_tokens
         timing = response.timing

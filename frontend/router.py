@@ -88,7 +88,10 @@ class LeastLoadRouter(Router):
         self._outstanding: dict[str, int] = {}
         self._loads: dict[str, DecodeLoad | None] = {}
         self._reserved_since_stats: dict[str, int] = {}
-        self._tiebreak = itertools.count()
+        # One rotation per pool: a shared counter would advance twice per request and, with two
+        # workers, always break prefill ties the same way.
+        self._prefill_tiebreak = itertools.count()
+        self._decode_tiebreak = itertools.count()
         self.update_workers(prefill_addresses, decode_addresses)
 
     def update_workers(self, prefill_addresses: Sequence[str], decode_addresses: Sequence[str]) -> None:
@@ -111,7 +114,7 @@ class LeastLoadRouter(Router):
         with self._lock:
             if not self._prefill:
                 return None
-            offset = next(self._tiebreak)
+            offset = next(self._prefill_tiebreak)
             n = len(self._prefill)
             order = [self._prefill[(offset + i) % n] for i in range(n)]
             return min(order, key=lambda a: self._outstanding.get(a, 0))
@@ -121,7 +124,7 @@ class LeastLoadRouter(Router):
             n = len(self._decode)
             if n == 0:
                 return []
-            offset = next(self._tiebreak)
+            offset = next(self._decode_tiebreak)
             order = [self._decode[(offset + i) % n] for i in range(n)]
             return sorted(order, key=self._decode_key)
 

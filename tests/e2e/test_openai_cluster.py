@@ -58,14 +58,13 @@ def _config(model_path, mode: str):
         "model": {"path": str(model_path), "name": "tiny"},
         "mode": mode,
         "gateway": {"port": 0},
-        "prefill": pools,
         "store": {"memory_bytes": "128MiB", "disk": {"path": None}},
         "health": {"interval_s": 1, "timeout_s": 30, "start_timeout_s": 300},
     }
     if mode == "disaggregated":
-        data["decode"] = pools
-    else:
-        data["decode"] = {"replicas": 0}
+        data["prefill"], data["decode"] = pools, pools
+    else:  # the same two workers, each doing both (and each prefilling what it reserved)
+        data["prefill"], data["decode"] = {**pools, "replicas": 2}, {"replicas": 0}
     return parse_config(data)
 
 

@@ -67,17 +67,28 @@ def running_gateway(
     num_decode: int = 1,
     extra_prefill_addresses: Sequence[str] = (),
     extra_decode_addresses: Sequence[str] = (),
+    colocated: bool = False,
     **settings_overrides: object,
 ) -> Iterator[Gateway]:
-    """Fake workers on real gRPC servers and the real app under real uvicorn; all stopped after."""
+    """Fake workers on real gRPC servers and the real app under real uvicorn; all stopped after.
+
+    `colocated`: worker i serves both prefills[i] and decodes[i] on one address, and both pools
+    list it (as in `mode: colocated`); num_prefill must equal num_decode."""
     prefills = [FakePrefill(script) for _ in range(num_prefill)]
     decodes = [FakeDecode(script) for _ in range(num_decode)]
     servers: list[FakeWorkerServer] = []
     gateway_server: GatewayServer | None = None
     try:
-        servers = [FakeWorkerServer(f) for f in [*prefills, *decodes]]
-        prefill_addresses = [s.address for s in servers[:num_prefill]] + list(extra_prefill_addresses)
-        decode_addresses = [s.address for s in servers[num_prefill:]] + list(extra_decode_addresses)
+        if colocated:
+            assert num_prefill == num_decode, "a colocated worker serves one prefill and one decode fake"
+            servers = [FakeWorkerServer(p, d) for p, d in zip(prefills, decodes)]
+            prefill_addresses = decode_addresses = [s.address for s in servers]
+        else:
+            servers = [FakeWorkerServer(f) for f in [*prefills, *decodes]]
+            prefill_addresses = [s.address for s in servers[:num_prefill]]
+            decode_addresses = [s.address for s in servers[num_prefill:]]
+        prefill_addresses = [*prefill_addresses, *extra_prefill_addresses]
+        decode_addresses = [*decode_addresses, *extra_decode_addresses]
         settings = GatewaySettings(
             **{"model_name": MODEL, "max_model_len": 256, "rpc_timeout_s": 5.0, **settings_overrides}
         )

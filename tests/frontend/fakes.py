@@ -195,15 +195,15 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
 
 
 class FakeWorkerServer:
-    """A real gRPC server on 127.0.0.1 (free port) hosting one fake servicer."""
+    """A real gRPC server on 127.0.0.1 (free port) hosting fake servicers (both: a colocated worker)."""
 
-    def __init__(self, servicer: FakePrefill | FakeDecode) -> None:
-        self.servicer = servicer
+    def __init__(self, *servicers: FakePrefill | FakeDecode) -> None:
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
-        if isinstance(servicer, FakePrefill):
-            prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, self.server)
-        else:
-            decode_pb2_grpc.add_DecodeServicer_to_server(servicer, self.server)
+        for servicer in servicers:
+            if isinstance(servicer, FakePrefill):
+                prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, self.server)
+            else:
+                decode_pb2_grpc.add_DecodeServicer_to_server(servicer, self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         self.address = f"127.0.0.1:{port}"
         self.server.start()
