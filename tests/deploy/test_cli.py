@@ -125,7 +125,7 @@ def test_up_stops_everything_and_exits_0_on_sigterm(ray_with_registry, monkeypat
 
 
 def test_config_files_in_deploy_are_all_valid(capsys):
-    for path in sorted((Path(__file__).resolve().parents[2] / "deploy" / "configs").glob("*.yaml")):
+    for path in sorted((Path(__file__).resolve().parents[2] / "deploy" / "configs").rglob("*.yaml")):
         assert main(["config", "check", str(path)]) == 0, capsys.readouterr().err
 
 
