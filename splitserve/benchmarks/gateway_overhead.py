@@ -1,0 +1,388 @@
+"""Benchmark: what the gateway alone costs, in requests/s and in added latency, in one run.
+
+    python -m splitserve.benchmarks.gateway_overhead [--num-requests 500] [--concurrency 1 16 64]
+        [--output-len 1 32] [--input-len 128] [--tokens-per-delta 1] [--token-ids]
+
+Behind the gateway sits an instant worker (`instant_worker.py`: the real Prefill and Decode
+gRPC services, answering at once), so nearly all the time a request spends is the gateway's
+and the transports'. Three processes: the worker, the real gateway (its app, router, worker
+clients and load monitor, under uvicorn) and this one, which drives both paths in turn at
+each concurrency (closed loop: every lane sends its next request when the last one ends):
+
+* worker alone: the gateway's own RPC sequence (Reserve, Prefill, then the Decode stream, or
+  an Abort of the reservation when the prefill already finished it) from a grpc.aio client;
+* through the gateway: streaming completions over HTTP with `splitserve bench`'s runner, the
+  same prompts (text, tokenized by the gateway; `--token-ids` sends ids instead).
+
+It prints requests/s, TTFT and end-to-end p50/p99 of both, what the gateway adds (the
+difference of the two percentiles, not a percentile of differences) and the requests/s ratio.
+The HTTP client's own cost (httpx, SSE parsing) counts as the gateway's here. Figures only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import math
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import numpy as np
+
+from splitserve.bench.datasets import Dataset, DatasetConfig, build_dataset
+from splitserve.bench.runner import RunConfig, run_benchmark
+from splitserve.benchmarks.instant_worker import InstantConfig, instant_worker_process
+from splitserve.benchmarks.server_process import ServerProcess, wait_until_told
+from splitserve.sampling_params import SamplingParams
+from splitserve.tokenizer import Tokenizer
+from splitserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from splitserve.wire import sampling_params_to_proto
+
+MODEL = "instant"
+WARM_UP_REQUESTS = 32
+RPC_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class PathFigures:
+    """One path's run: how many requests completed, how fast, and their latency percentiles."""
+
+    num_completed: int
+    num_failed: int
+    duration_s: float
+    num_output_tokens: int
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    e2e_p50_ms: float
+    e2e_p99_ms: float
+    errors: tuple[str, ...] = ()  # the first few failures' messages
+
+    @classmethod
+    def of(
+        cls, samples: Sequence[tuple[float, float, int]], errors: Sequence[str], duration_s: float
+    ) -> PathFigures:
+        """From (ttft_s, e2e_s, output_tokens) of each completed request and each failure's text."""
+        ttft = [1e3 * s[0] for s in samples] or [math.nan]
+        e2e = [1e3 * s[1] for s in samples] or [math.nan]
+        ttft_p50, ttft_p99 = np.percentile(ttft, [50, 99])
+        e2e_p50, e2e_p99 = np.percentile(e2e, [50, 99])
+        return cls(
+            num_completed=len(samples),
+            num_failed=len(errors),
+            duration_s=duration_s,
+            num_output_tokens=sum(s[2] for s in samples),
+            ttft_p50_ms=float(ttft_p50),
+            ttft_p99_ms=float(ttft_p99),
+            e2e_p50_ms=float(e2e_p50),
+            e2e_p99_ms=float(e2e_p99),
+            errors=tuple(errors[:3]),
+        )
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_completed / self.duration_s if self.duration_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Cell:
+    """Both paths at one output length and concurrency, and what the gateway adds."""
+
+    output_len: int
+    concurrency: int
+    worker: PathFigures
+    gateway: PathFigures
+
+    @property
+    def added_ms(self) -> tuple[float, float, float, float]:
+        """TTFT p50, TTFT p99, E2E p50, E2E p99 through the gateway minus the worker alone's."""
+        w, g = self.worker, self.gateway
+        return (
+            g.ttft_p50_ms - w.ttft_p50_ms,
+            g.ttft_p99_ms - w.ttft_p99_ms,
+            g.e2e_p50_ms - w.e2e_p50_ms,
+            g.e2e_p99_ms - w.e2e_p99_ms,
+        )
+
+    @property
+    def requests_per_s_ratio(self) -> float:
+        """Gateway requests/s over the worker alone's (1.0 = the gateway costs nothing)."""
+        return self.gateway.requests_per_s / self.worker.requests_per_s if self.worker.requests_per_s else 0.0
+
+
+# The worker alone --------------------------------------------------------------------------------
+
+
+async def drive_worker(
+    channel: grpc.aio.Channel, prompts: Sequence[list[int]], output_len: int, concurrency: int, run_id: str
+) -> PathFigures:
+    """Every prompt through Reserve → Prefill → Decode over `channel`, `concurrency` at a time."""
+    params = sampling_params_to_proto(SamplingParams(max_tokens=output_len, ignore_eos=True))
+    prefill, decode = prefill_pb2_grpc.PrefillStub(channel), decode_pb2_grpc.DecodeStub(channel)
+    samples: list[tuple[float, float, int]] = []
+    errors: list[str] = []
+    work = iter(enumerate(prompts))
+
+    async def lane() -> None:
+        for index, ids in work:
+            try:
+                samples.append(await _one_direct(prefill, decode, f"{run_id}-{index}", ids, params))
+            except (grpc.aio.AioRpcError, RuntimeError) as exc:
+                errors.append(str(exc))
+
+    start_s = time.perf_counter()
+    await asyncio.gather(*(lane() for _ in range(concurrency)))
+    return PathFigures.of(samples, errors, time.perf_counter() - start_s)
+
+
+async def _one_direct(
+    prefill: prefill_pb2_grpc.PrefillStub,
+    decode: decode_pb2_grpc.DecodeStub,
+    request_id: str,
+    ids: list[int],
+    params: Any,
+) -> tuple[float, float, int]:
+    """One request as the gateway runs it; (ttft_s, e2e_s, output tokens)."""
+    send_s = time.perf_counter()
+    reserve = decode_pb2.ReserveRequest(
+        request_id=request_id, num_prompt_tokens=len(ids), max_tokens=params.max_tokens, timeout_s=120.0
+    )
+    reservation = await decode.Reserve(reserve, timeout=RPC_TIMEOUT_S)
+    if not reservation.accepted:
+        raise RuntimeError(f"Reserve rejected {request_id}: {reservation.reject_reason}")
+    response = await prefill.Prefill(
+        prefill_pb2.PrefillRequest(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            sampling_params=params,
+            store_address=reservation.store_address,
+            state_key=reservation.state_key,
+            state_owner=reservation.state_owner,
+        ),
+        timeout=RPC_TIMEOUT_S,
+    )
+    first_s = time.perf_counter()
+    num_tokens = 1
+    if response.finish_reason:  # nothing to decode: give the reservation back, as the gateway does
+        await decode.Abort(decode_pb2.AbortDecodeRequest(request_id=request_id), timeout=RPC_TIMEOUT_S)
+    else:
+        request = decode_pb2.DecodeRequest(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            sampling_params=params,
+            first_token_id=response.first_token_id,
+            state=response.state,
+        )
+        async for delta in decode.Decode(request, timeout=RPC_TIMEOUT_S):
+            num_tokens += len(delta.token_ids)
+    return first_s - send_s, time.perf_counter() - send_s, num_tokens
+
+
+# Through the gateway -----------------------------------------------------------------------------
+
+
+def _serve_gateway(
+    conn: Connection, worker_address: str, tokenizer_path: str | None, settings: dict[str, Any]
+) -> None:
+    """The gateway process's body: the real app on uvicorn, one worker in both pools."""
+    from frontend.app import build_app
+    from frontend.router import LeastLoadRouter
+    from frontend.server import GatewayServer
+    from frontend.settings import GatewaySettings
+
+    router = LeastLoadRouter([worker_address], [worker_address])
+    server = GatewayServer(build_app(GatewaySettings(**settings), tokenizer_path, router), "127.0.0.1", 0)
+    server.start()
+    try:
+        conn.send(server.url)
+        wait_until_told(conn)
+    finally:
+        server.stop()
+
+
+def gateway_process(worker_address: str, tokenizer_path: Path | None, max_model_len: int) -> ServerProcess:
+    """The real gateway in its own process, in front of `worker_address` (not started)."""
+    settings = {"model_name": MODEL, "max_model_len": max_model_len, "port": 0}
+    path = str(tokenizer_path) if tokenizer_path is not None else None
+    return ServerProcess(_serve_gateway, (worker_address, path, settings), "gateway")
+
+
+async def drive_gateway(
+    client: httpx.AsyncClient, url: str, dataset: Dataset, concurrency: int
+) -> PathFigures:
+    """`dataset` as streaming completions through the gateway at `url`, `concurrency` at a time."""
+    config = RunConfig(base_url=url, model=MODEL, max_concurrency=concurrency, disable_tqdm=True)
+    result = await run_benchmark(dataset, config, client=client)
+    samples = [
+        (r.ttft_s, r.e2e_s, r.output_tokens)
+        for r in result.records
+        if r.success and r.ttft_s is not None and r.e2e_s is not None
+    ]
+    errors = [r.error for r in result.records if not r.success]
+    return PathFigures.of(samples, errors, result.summary.duration_s)
+
+
+# The sweep ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What each run sends: the HTTP dataset and the same prompts as token ids for the worker."""
+
+    dataset: Dataset
+    prompt_ids: tuple[list[int], ...]
+
+
+def build_workload(
+    num_requests: int, input_len: int, output_len: int, tokenizer: Tokenizer | None, seed: int
+) -> Workload:
+    from frontend.inputs import tokenize_prompt  # exactly the ids the gateway will send
+
+    config = DatasetConfig(
+        seed=seed, num_prompts=num_requests, random_input_len=input_len, random_output_len=output_len
+    )
+    dataset = build_dataset(config, tokenizer)
+    ids = tuple(
+        tokenize_prompt(r.prompt if isinstance(r.prompt, str) else list(r.prompt), tokenizer)
+        for r in dataset.requests
+    )
+    return Workload(dataset, ids)
+
+
+async def sweep(
+    worker_address: str,
+    gateway_url: str,
+    workloads: dict[int, Workload],
+    concurrencies: Sequence[int],
+) -> list[Cell]:
+    """Both paths at every (output length, concurrency), the worker alone first each time.
+
+    Each path keeps one connection pool for the whole sweep, as the gateway keeps its channels.
+    """
+    from frontend.clients import CHANNEL_OPTIONS  # the options the gateway's own channels use
+
+    num_connections = max(concurrencies)
+    limits = httpx.Limits(max_connections=num_connections, max_keepalive_connections=num_connections)
+    async with (
+        grpc.aio.insecure_channel(worker_address, options=CHANNEL_OPTIONS) as channel,
+        httpx.AsyncClient(timeout=httpx.Timeout(RPC_TIMEOUT_S * 4), limits=limits) as client,
+    ):
+        first = next(iter(workloads.values()))
+        warm = Workload(
+            dataclasses.replace(first.dataset, requests=first.dataset.requests[:WARM_UP_REQUESTS]),
+            first.prompt_ids[:WARM_UP_REQUESTS],
+        )
+        output_len = warm.dataset.requests[0].output_len
+        await drive_worker(channel, warm.prompt_ids, output_len, 8, "warm")
+        await drive_gateway(client, gateway_url, warm.dataset, 8)
+        cells = []
+        for output_len, workload in workloads.items():
+            for concurrency in concurrencies:
+                run_id = f"direct-{output_len}-{concurrency}"
+                worker = await drive_worker(channel, workload.prompt_ids, output_len, concurrency, run_id)
+                gateway = await drive_gateway(client, gateway_url, workload.dataset, concurrency)
+                cell = Cell(output_len, concurrency, worker, gateway)
+                print(report_row(cell), flush=True)
+                cells.append(cell)
+    return cells
+
+
+_PATH_COLUMNS = (
+    ("req/s", 7, ".0f"),
+    ("TTFT p50", 8, ".2f"),
+    ("p99", 7, ".2f"),
+    ("E2E p50", 8, ".2f"),
+    ("p99", 7, ".2f"),
+)
+_ADDED_COLUMNS = (("TTFT p50", 8), ("p99", 7), ("E2E p50", 8), ("p99", 7))
+_CELL_COLUMNS = (("output", 6), ("concur", 6))
+
+
+def table_header() -> str:
+    """Two lines: what each block of columns is, then each column's name."""
+    blocks = [
+        ("", _CELL_COLUMNS),
+        ("worker alone (gRPC)", _PATH_COLUMNS),
+        ("through the gateway (HTTP)", _PATH_COLUMNS),
+        ("the gateway adds", _ADDED_COLUMNS),
+        ("", (("req/s", 5),)),
+    ]
+    names = [" ".join(f"{c[0]:>{c[1]}}" for c in columns) for _, columns in blocks]
+    titles = [f"{title:^{len(n)}}" for (title, _), n in zip(blocks, names)]
+    names[-1] = "ratio"
+    return " | ".join(titles).rstrip() + "\n" + " | ".join(names)
+
+
+def report_row(cell: Cell) -> str:
+    def path(p: PathFigures) -> str:
+        values = (p.requests_per_s, p.ttft_p50_ms, p.ttft_p99_ms, p.e2e_p50_ms, p.e2e_p99_ms)
+        return " ".join(f"{v:>{width}{spec}}" for v, (_, width, spec) in zip(values, _PATH_COLUMNS))
+
+    added = " ".join(f"{ms:>+{width}.2f}" for ms, (_, width) in zip(cell.added_ms, _ADDED_COLUMNS))
+    parts = [
+        f"{cell.output_len:>6} {cell.concurrency:>6}",
+        path(cell.worker),
+        path(cell.gateway),
+        added,
+        f"{cell.requests_per_s_ratio:4.2f}x",
+    ]
+    row = " | ".join(parts)
+    for name, p in (("worker alone", cell.worker), ("gateway", cell.gateway)):
+        if p.num_failed:
+            row += f"\n    {name}: {p.num_failed} failed, e.g. {p.errors[0]}"
+    return row
+
+
+def main(argv: list[str] | None = None) -> list[Cell]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--num-requests", type=int, default=500, help="per path, per cell")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--output-len", type=int, nargs="+", default=[1, 32], help="tokens per request")
+    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens")
+    parser.add_argument("--tokens-per-delta", type=int, default=1, help="tokens per Decode message")
+    parser.add_argument("--token-ids", action="store_true", help="send token ids, not text, to the gateway")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if min(args.concurrency) < 1 or min(args.output_len) < 1 or args.num_requests < 1:
+        parser.error("--num-requests, --concurrency and --output-len must all be at least 1")
+    from splitserve.tokenizer_files import write_tokenizer_files
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer_path = Path(tmp) / "tokenizer"
+        write_tokenizer_files(tokenizer_path)
+        tokenizer = Tokenizer(tokenizer_path)
+        prompts_tokenizer = None if args.token_ids else tokenizer
+        workloads = {
+            n: build_workload(args.num_requests, args.input_len, n, prompts_tokenizer, args.seed)
+            for n in args.output_len
+        }
+        max_model_len = max(4096, args.input_len + max(args.output_len) + 64)
+        eos = tokenizer.token_to_id(tokenizer.eos_token) if tokenizer.eos_token else None
+        worker_config = InstantConfig(tokens_per_delta=args.tokens_per_delta, eos_token_id=eos)
+        print(
+            f"{args.num_requests} requests per path per row, {'token-id' if args.token_ids else 'text'} "
+            f"prompts of {args.input_len} tokens, streaming, EOS ignored, {args.tokens_per_delta} "
+            f"token(s) per Decode delta; instant worker, gateway and clients in 3 processes on "
+            f"{os.cpu_count()} CPU(s); latencies in ms, closed loop",
+            flush=True,
+        )
+        with (
+            instant_worker_process(worker_config) as worker,
+            gateway_process(worker.address, tokenizer_path, max_model_len) as gateway,
+        ):
+            print(table_header(), flush=True)
+            return asyncio.run(sweep(worker.address, gateway.address, workloads, args.concurrency))
+
+
+if __name__ == "__main__":
+    main()
