@@ -11,6 +11,8 @@ prompt token `i mod len(prompt)`. `max_tokens`, `ignore_eos`, `stop_token_ids` a
 `eos_token_id` are honoured, so a request ends when a real worker's would; no other sampling
 parameter changes anything. Stats report a nearly empty worker with room for a million
 sequences, so the gateway's router always finds it healthy and free. Reservations never lapse.
+Reserve names the worker itself as the state store; of the StateStore service it answers only
+Stats (an empty memory tier), the one store call the gateway makes.
 
 `serve()` starts one on the running event loop; `instant_worker_process()` runs one in a child
 process (its own interpreter and GIL, as a real worker has).
@@ -28,9 +30,16 @@ import grpc
 
 from splitserve.benchmarks.server_process import ServerProcess, wait_until_told
 from splitserve.rpc import format_address, server_options
-from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from splitserve.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    store_pb2,
+    store_pb2_grpc,
+)
 
-STORE_ADDRESS = "127.0.0.1:1"  # never dialled: the gateway only passes it from Reserve to Prefill
 CAPACITY = 1_000_000  # sequences, state slots and KV blocks the Stats claim
 EMPTY_PROMPT_TOKEN_ID = 0  # what an empty prompt "generates"
 
@@ -56,10 +65,17 @@ def output_token(prompt_token_ids: list[int], position: int) -> int:
 
 
 @dataclass
-class InstantWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServicer):
-    """Both services' handlers on one event loop; owns the sets of reserved and running requests."""
+class InstantWorker(
+    prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServicer, store_pb2_grpc.StateStoreServicer
+):
+    """The services' handlers on one event loop; owns the sets of reserved and running requests.
+
+    It is its own state store too, for the gateway's load monitor, which reads Stats from every
+    store a reservation names; a store that did not answer would cost the gateway failing RPCs.
+    """
 
     config: InstantConfig = field(default_factory=InstantConfig)
+    store_address: str = ""  # named by Reserve: this server, whose StateStore answers only Stats
     reserved: set[str] = field(default_factory=set)
     running: set[str] = field(default_factory=set)
     num_prompt_tokens: int = 0  # since start
@@ -70,7 +86,7 @@ class InstantWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServ
         self.reserved.add(request.request_id)
         return decode_pb2.ReserveResponse(
             accepted=True,
-            store_address=STORE_ADDRESS,
+            store_address=self.store_address,
             state_key=f"instant-{request.request_id}",
             state_owner="instant-worker",
             expiry_unix_s=time.time() + (request.timeout_s or 60.0),
@@ -126,6 +142,10 @@ class InstantWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServ
 
     async def Stats(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
         """Both services' Stats; a nearly empty worker either way."""
+        if isinstance(request, store_pb2.StatsRequest):
+            return store_pb2.StoreStats(
+                tiers=[store_pb2.TierStats(name="memory", capacity_bytes=CAPACITY << 20)]
+            )
         if isinstance(request, prefill_pb2.PrefillStatsRequest):
             return prefill_pb2.PrefillStats(
                 max_num_batched_tokens=CAPACITY, num_prompt_tokens=self.num_prompt_tokens
@@ -192,11 +212,13 @@ async def serve(
     server = grpc.aio.server(options=server_options())
     prefill_pb2_grpc.add_PrefillServicer_to_server(worker, server)
     decode_pb2_grpc.add_DecodeServicer_to_server(worker, server)
+    store_pb2_grpc.add_StateStoreServicer_to_server(worker, server)
     bound = server.add_insecure_port(format_address(host, port))
     if bound == 0:
         raise OSError(f"could not bind the instant worker to {format_address(host, port)}")
+    worker.store_address = format_address(host, bound)
     await server.start()
-    return server, format_address(host, bound)
+    return server, worker.store_address
 
 
 def _serve_until_told(conn: Connection, host: str, port: int, config: InstantConfig) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import openai
@@ -32,8 +33,19 @@ def tokenizer(tokenizer_dir: Path) -> Tokenizer:
     return Tokenizer(tokenizer_dir)
 
 
+@dataclass(frozen=True)
+class InstantGateway:
+    """The gateway's base URL and the instant worker's address behind it."""
+
+    url: str
+    worker_address: str
+
+    def openai(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
 @pytest.fixture(scope="module")
-def instant_gateway(tokenizer_dir: Path, tokenizer: Tokenizer) -> Iterator[openai.OpenAI]:
+def instant_gateway(tokenizer_dir: Path, tokenizer: Tokenizer) -> Iterator[InstantGateway]:
     """An instant worker in its own process behind the real gateway (in-process uvicorn)."""
     config = InstantConfig(eos_token_id=tokenizer.token_to_id(EOS_TOKEN))
     with instant_worker_process(config) as worker:
@@ -42,6 +54,6 @@ def instant_gateway(tokenizer_dir: Path, tokenizer: Tokenizer) -> Iterator[opena
         server = GatewayServer(build_app(settings, tokenizer_dir, router), "127.0.0.1", 0)
         server.start()
         try:
-            yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+            yield InstantGateway(server.url, worker.address)
         finally:
             server.stop()
