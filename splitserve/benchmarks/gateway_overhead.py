@@ -1,7 +1,7 @@
 """Benchmark: what the gateway alone costs, in requests/s and in added latency, in one run.
 
     python -m splitserve.benchmarks.gateway_overhead [--num-requests 500] [--concurrency 1 16 64]
-        [--output-len 1 32] [--input-len 128] [--tokens-per-delta 1] [--token-ids]
+        [--output-len 1 32] [--input-len 128] [--tokens-per-delta 1] [--token-ids] [--disable-tqdm]
 
 Behind the gateway sits an instant worker (`instant_worker.py`: the real Prefill and Decode
 gRPC services, answering at once), so nearly all the time a request spends is the gateway's
@@ -14,9 +14,11 @@ each concurrency (closed loop: every lane sends its next request when the last o
 * through the gateway: streaming completions over HTTP with `splitserve bench`'s runner, the
   same prompts (text, tokenized by the gateway; `--token-ids` sends ids instead).
 
-It prints requests/s, TTFT and end-to-end p50/p99 of both, what the gateway adds (the
-difference of the two percentiles, not a percentile of differences) and the requests/s ratio.
-The HTTP client's own cost (httpx, SSE parsing) counts as the gateway's here. Figures only.
+It prints two tables: TTFT and end-to-end p50/p99 of both paths and what the gateway adds
+(the difference of the two percentiles, not a percentile of differences); then requests/s of
+both, their ratio, and the CPU each process spent per request (from /proc, all threads), which
+says where the gateway path's time goes. The HTTP client's own cost (httpx, SSE parsing) counts
+as the gateway's in the latencies; its CPU column shows how much. Figures only.
 """
 
 from __future__ import annotations
@@ -24,11 +26,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import math
 import os
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -36,12 +37,20 @@ from typing import Any
 
 import grpc
 import httpx
-import numpy as np
+from tqdm import tqdm
 
 from splitserve.bench.datasets import Dataset, DatasetConfig, build_dataset
 from splitserve.bench.runner import RunConfig, run_benchmark
+from splitserve.benchmarks.gateway_overhead_report import (
+    Cell,
+    CpuPerRequest,
+    PathFigures,
+    failures,
+    latency_table,
+    throughput_table,
+)
 from splitserve.benchmarks.instant_worker import InstantConfig, instant_worker_process
-from splitserve.benchmarks.server_process import ServerProcess, wait_until_told
+from splitserve.benchmarks.server_process import ServerProcess, cpu_seconds, wait_until_told
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokenizer import Tokenizer
 from splitserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -50,72 +59,6 @@ from splitserve.wire import sampling_params_to_proto
 MODEL = "instant"
 WARM_UP_REQUESTS = 32
 RPC_TIMEOUT_S = 30.0
-
-
-@dataclass(frozen=True)
-class PathFigures:
-    """One path's run: how many requests completed, how fast, and their latency percentiles."""
-
-    num_completed: int
-    num_failed: int
-    duration_s: float
-    num_output_tokens: int
-    ttft_p50_ms: float
-    ttft_p99_ms: float
-    e2e_p50_ms: float
-    e2e_p99_ms: float
-    errors: tuple[str, ...] = ()  # the first few failures' messages
-
-    @classmethod
-    def of(
-        cls, samples: Sequence[tuple[float, float, int]], errors: Sequence[str], duration_s: float
-    ) -> PathFigures:
-        """From (ttft_s, e2e_s, output_tokens) of each completed request and each failure's text."""
-        ttft = [1e3 * s[0] for s in samples] or [math.nan]
-        e2e = [1e3 * s[1] for s in samples] or [math.nan]
-        ttft_p50, ttft_p99 = np.percentile(ttft, [50, 99])
-        e2e_p50, e2e_p99 = np.percentile(e2e, [50, 99])
-        return cls(
-            num_completed=len(samples),
-            num_failed=len(errors),
-            duration_s=duration_s,
-            num_output_tokens=sum(s[2] for s in samples),
-            ttft_p50_ms=float(ttft_p50),
-            ttft_p99_ms=float(ttft_p99),
-            e2e_p50_ms=float(e2e_p50),
-            e2e_p99_ms=float(e2e_p99),
-            errors=tuple(errors[:3]),
-        )
-
-    @property
-    def requests_per_s(self) -> float:
-        return self.num_completed / self.duration_s if self.duration_s > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class Cell:
-    """Both paths at one output length and concurrency, and what the gateway adds."""
-
-    output_len: int
-    concurrency: int
-    worker: PathFigures
-    gateway: PathFigures
-
-    @property
-    def added_ms(self) -> tuple[float, float, float, float]:
-        """TTFT p50, TTFT p99, E2E p50, E2E p99 through the gateway minus the worker alone's."""
-        w, g = self.worker, self.gateway
-        return (
-            g.ttft_p50_ms - w.ttft_p50_ms,
-            g.ttft_p99_ms - w.ttft_p99_ms,
-            g.e2e_p50_ms - w.e2e_p50_ms,
-            g.e2e_p99_ms - w.e2e_p99_ms,
-        )
-
-    @property
-    def requests_per_s_ratio(self) -> float:
-        """Gateway requests/s over the worker alone's (1.0 = the gateway costs nothing)."""
-        return self.gateway.requests_per_s / self.worker.requests_per_s if self.worker.requests_per_s else 0.0
 
 
 # The worker alone --------------------------------------------------------------------------------
@@ -257,11 +200,30 @@ def build_workload(
     return Workload(dataset, ids)
 
 
+@dataclass(frozen=True)
+class Servers:
+    """The two processes a sweep drives and meters."""
+
+    worker: ServerProcess
+    gateway: ServerProcess
+
+    def cpu_s(self) -> tuple[float, float, float]:
+        """CPU seconds used so far by the worker, the gateway and this process (the clients)."""
+        return self.worker.cpu_seconds(), self.gateway.cpu_seconds(), cpu_seconds()
+
+
+async def _metered(run: Awaitable[PathFigures], servers: Servers) -> PathFigures:
+    """`run`'s figures with the CPU every process spent on them, per completed request."""
+    before = servers.cpu_s()
+    figures = await run
+    after = servers.cpu_s()
+    num_requests = max(figures.num_completed, 1)
+    worker_ms, gateway_ms, client_ms = (1e3 * (a - b) / num_requests for a, b in zip(after, before))
+    return dataclasses.replace(figures, cpu=CpuPerRequest(worker_ms, gateway_ms, client_ms))
+
+
 async def sweep(
-    worker_address: str,
-    gateway_url: str,
-    workloads: dict[int, Workload],
-    concurrencies: Sequence[int],
+    servers: Servers, workloads: dict[int, Workload], concurrencies: Sequence[int], disable_tqdm: bool = False
 ) -> list[Cell]:
     """Both paths at every (output length, concurrency), the worker alone first each time.
 
@@ -271,87 +233,47 @@ async def sweep(
 
     num_connections = max(concurrencies)
     limits = httpx.Limits(max_connections=num_connections, max_keepalive_connections=num_connections)
+    url = servers.gateway.address
     async with (
-        grpc.aio.insecure_channel(worker_address, options=CHANNEL_OPTIONS) as channel,
+        grpc.aio.insecure_channel(servers.worker.address, options=CHANNEL_OPTIONS) as channel,
         httpx.AsyncClient(timeout=httpx.Timeout(RPC_TIMEOUT_S * 4), limits=limits) as client,
     ):
         first = next(iter(workloads.values()))
-        warm = Workload(
-            dataclasses.replace(first.dataset, requests=first.dataset.requests[:WARM_UP_REQUESTS]),
-            first.prompt_ids[:WARM_UP_REQUESTS],
-        )
-        output_len = warm.dataset.requests[0].output_len
-        await drive_worker(channel, warm.prompt_ids, output_len, 8, "warm")
-        await drive_gateway(client, gateway_url, warm.dataset, 8)
+        warm = first.dataset.requests[:WARM_UP_REQUESTS]
+        await drive_worker(channel, first.prompt_ids[: len(warm)], warm[0].output_len, 8, "warm")
+        await drive_gateway(client, url, dataclasses.replace(first.dataset, requests=warm), 8)
         cells = []
-        for output_len, workload in workloads.items():
-            for concurrency in concurrencies:
-                run_id = f"direct-{output_len}-{concurrency}"
-                worker = await drive_worker(channel, workload.prompt_ids, output_len, concurrency, run_id)
-                gateway = await drive_gateway(client, gateway_url, workload.dataset, concurrency)
-                cell = Cell(output_len, concurrency, worker, gateway)
-                print(report_row(cell), flush=True)
-                cells.append(cell)
+        with tqdm(
+            total=len(workloads) * len(concurrencies),
+            desc="gateway overhead",
+            unit="row",
+            disable=disable_tqdm,
+        ) as progress:
+            for output_len, workload in workloads.items():
+                for concurrency in concurrencies:
+                    run_id = f"direct-{output_len}-{concurrency}"
+                    alone = drive_worker(channel, workload.prompt_ids, output_len, concurrency, run_id)
+                    worker = await _metered(alone, servers)
+                    gateway = await _metered(
+                        drive_gateway(client, url, workload.dataset, concurrency), servers
+                    )
+                    cells.append(Cell(output_len, concurrency, worker, gateway))
+                    progress.update(1)
     return cells
-
-
-_PATH_COLUMNS = (
-    ("req/s", 7, ".0f"),
-    ("TTFT p50", 8, ".2f"),
-    ("p99", 7, ".2f"),
-    ("E2E p50", 8, ".2f"),
-    ("p99", 7, ".2f"),
-)
-_ADDED_COLUMNS = (("TTFT p50", 8), ("p99", 7), ("E2E p50", 8), ("p99", 7))
-_CELL_COLUMNS = (("output", 6), ("concur", 6))
-
-
-def table_header() -> str:
-    """Two lines: what each block of columns is, then each column's name."""
-    blocks = [
-        ("", _CELL_COLUMNS),
-        ("worker alone (gRPC)", _PATH_COLUMNS),
-        ("through the gateway (HTTP)", _PATH_COLUMNS),
-        ("the gateway adds", _ADDED_COLUMNS),
-        ("", (("req/s", 5),)),
-    ]
-    names = [" ".join(f"{c[0]:>{c[1]}}" for c in columns) for _, columns in blocks]
-    titles = [f"{title:^{len(n)}}" for (title, _), n in zip(blocks, names)]
-    names[-1] = "ratio"
-    return " | ".join(titles).rstrip() + "\n" + " | ".join(names)
-
-
-def report_row(cell: Cell) -> str:
-    def path(p: PathFigures) -> str:
-        values = (p.requests_per_s, p.ttft_p50_ms, p.ttft_p99_ms, p.e2e_p50_ms, p.e2e_p99_ms)
-        return " ".join(f"{v:>{width}{spec}}" for v, (_, width, spec) in zip(values, _PATH_COLUMNS))
-
-    added = " ".join(f"{ms:>+{width}.2f}" for ms, (_, width) in zip(cell.added_ms, _ADDED_COLUMNS))
-    parts = [
-        f"{cell.output_len:>6} {cell.concurrency:>6}",
-        path(cell.worker),
-        path(cell.gateway),
-        added,
-        f"{cell.requests_per_s_ratio:4.2f}x",
-    ]
-    row = " | ".join(parts)
-    for name, p in (("worker alone", cell.worker), ("gateway", cell.gateway)):
-        if p.num_failed:
-            row += f"\n    {name}: {p.num_failed} failed, e.g. {p.errors[0]}"
-    return row
 
 
 def main(argv: list[str] | None = None) -> list[Cell]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--num-requests", type=int, default=500, help="per path, per cell")
+    parser.add_argument("--num-requests", type=int, default=500, help="per path, per row")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--output-len", type=int, nargs="+", default=[1, 32], help="tokens per request")
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens")
     parser.add_argument("--tokens-per-delta", type=int, default=1, help="tokens per Decode message")
     parser.add_argument("--token-ids", action="store_true", help="send token ids, not text, to the gateway")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--disable-tqdm", action="store_true")
     args = parser.parse_args(argv)
     if min(args.concurrency) < 1 or min(args.output_len) < 1 or args.num_requests < 1:
         parser.error("--num-requests, --concurrency and --output-len must all be at least 1")
@@ -370,18 +292,27 @@ def main(argv: list[str] | None = None) -> list[Cell]:
         eos = tokenizer.token_to_id(tokenizer.eos_token) if tokenizer.eos_token else None
         worker_config = InstantConfig(tokens_per_delta=args.tokens_per_delta, eos_token_id=eos)
         print(
-            f"{args.num_requests} requests per path per row, {'token-id' if args.token_ids else 'text'} "
-            f"prompts of {args.input_len} tokens, streaming, EOS ignored, {args.tokens_per_delta} "
+            f"{args.num_requests} requests per path per row, closed loop; {'token-id' if args.token_ids else 'text'} "
+            f"prompts of {args.input_len} tokens, streamed, EOS ignored, {args.tokens_per_delta} "
             f"token(s) per Decode delta; instant worker, gateway and clients in 3 processes on "
-            f"{os.cpu_count()} CPU(s); latencies in ms, closed loop",
+            f"{os.cpu_count()} CPU(s)",
             flush=True,
         )
         with (
             instant_worker_process(worker_config) as worker,
             gateway_process(worker.address, tokenizer_path, max_model_len) as gateway,
         ):
-            print(table_header(), flush=True)
-            return asyncio.run(sweep(worker.address, gateway.address, workloads, args.concurrency))
+            cells = asyncio.run(
+                sweep(Servers(worker, gateway), workloads, args.concurrency, args.disable_tqdm)
+            )
+    print("\nlatency, ms (what the gateway adds: its percentile minus the worker's, one by one)")
+    print(latency_table(cells))
+    print("\nthroughput, and CPU per request of each process (all threads)")
+    print(throughput_table(cells))
+    lost = failures(cells)
+    if lost:
+        print("\n" + lost)
+    return cells
 
 
 if __name__ == "__main__":

@@ -10,11 +10,24 @@ stops.
 from __future__ import annotations
 
 import contextlib
+import math
 import multiprocessing
+import os
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from types import TracebackType
 from typing import Any
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds process `pid` (None: this one) has used, all threads; NaN
+    where /proc cannot say (not Linux, or the process is gone)."""
+    try:
+        with open(f"/proc/{pid or 'self'}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
+    except OSError:
+        return math.nan
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def wait_until_told(conn: Connection) -> None:
@@ -55,6 +68,15 @@ class ServerProcess:
             raise RuntimeError(f"{self.name} did not start: its process {why}; its stderr says why")
         self.address = address
         return address
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds the child has used so far (see `cpu_seconds`); NaN when not running."""
+        pid = self.pid
+        return cpu_seconds(pid) if pid is not None else math.nan
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Tell the child to stop and wait for it; kill it if it will not. Idempotent."""

@@ -12,7 +12,7 @@ OUTPUT_LENS = (1, 4)
 
 
 def test_every_request_completes_on_both_paths(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--num-requests", str(NUM_REQUESTS), "--input-len", "16"]
+    argv = ["--num-requests", str(NUM_REQUESTS), "--input-len", "16", "--disable-tqdm"]
     argv += ["--concurrency", *map(str, CONCURRENCIES), "--output-len", *map(str, OUTPUT_LENS)]
     cells = main(argv)
     assert [(c.output_len, c.concurrency) for c in cells] == [
@@ -25,13 +25,18 @@ def test_every_request_completes_on_both_paths(capsys: pytest.CaptureFixture[str
             assert path.requests_per_s > 0
             assert 0 < path.ttft_p50_ms <= path.ttft_p99_ms
             assert path.ttft_p50_ms <= path.e2e_p50_ms
+            assert path.cpu.worker_ms >= 0 and path.cpu.client_ms >= 0  # /proc: the suite runs on Linux
+        assert cell.gateway.cpu.gateway_ms >= 0
         assert cell.requests_per_s_ratio > 0
     printed = capsys.readouterr().out
-    assert "worker alone (gRPC)" in printed and "the gateway adds" in printed
+    assert "worker alone (gRPC)" in printed and "the gateway adds" in printed and "requests/s" in printed
     rows = [line for line in printed.splitlines() if line.lstrip()[:1].isdigit() and "|" in line]
-    assert len(rows) == len(cells)
+    assert len(rows) == 2 * len(cells)  # a latency row and a throughput row each
+    assert "failed" not in printed
 
 
 def test_token_id_prompts_work_too() -> None:
-    cells = main(["--num-requests", "3", "--concurrency", "2", "--output-len", "3", "--token-ids"])
+    cells = main(
+        ["--num-requests", "3", "--concurrency", "2", "--output-len", "3", "--token-ids", "--disable-tqdm"]
+    )
     assert all(c.gateway.num_completed == 3 and c.worker.num_completed == 3 for c in cells)
