@@ -7,6 +7,9 @@ The pieces, each reusable on its own (none imports torch):
   `BenchmarkResult` (`result`) with every request's `RequestRecord` (`records`).
 * `metrics`: `summarize(records, duration_s, slos_ms)` gives the `Summary` (TTFT, TPOT, ITL,
   E2E latency percentiles, throughputs, goodput); `report` prints it as a table.
-* `serve`: the `splitserve bench serve` command (`add_serve_arguments`, `run_serve`); `cli` holds
-  the table of bench subcommands.
+* `serve`: the `splitserve bench serve` command (`add_serve_arguments`, `run_serve`); `options`
+  holds the option groups it shares with `compare`; `cli` holds the table of bench subcommands.
+* `compare`: `splitserve bench compare`: each deployment config brought up in turn (`deployments`),
+  sent the same workload (`compare_run`), then a side-by-side table (`compare_table`), JSON and
+  plots (`compare_output`, `plots`).
 """

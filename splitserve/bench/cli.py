@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from splitserve.bench.compare import add_compare_arguments, run_compare
 from splitserve.bench.serve import add_serve_arguments, run_serve
 from splitserve.cli import Command
 
@@ -16,6 +17,11 @@ SUBCOMMANDS: dict[str, Command] = {
         help="drive an OpenAI-compatible server with a synthetic workload; report TTFT, TPOT, ITL, throughput",
         add_arguments=add_serve_arguments,
         run=run_serve,
+    ),
+    "compare": Command(
+        help="bring up each deployment config in turn, send each the same workload, compare them side by side",
+        add_arguments=add_compare_arguments,
+        run=run_compare,
     ),
 }
 

@@ -22,10 +22,12 @@ if TYPE_CHECKING:
 _DEFAULTS = DatasetConfig()
 
 
-def add_request_options(group: argparse._ArgumentGroup, *, tokenizer_default: str) -> None:
+def add_request_options(
+    group: argparse._ArgumentGroup, *, tokenizer_default: str, api_key_default: str = "$OPENAI_API_KEY"
+) -> None:
     """How each request is sent: --endpoint, --api-key, --tokenizer, --request-timeout-s, --extra-body.
 
-    `tokenizer_default` says in --tokenizer's help where the tokenizer comes from without it.
+    `tokenizer_default` and `api_key_default` say in the help where those come from when not given.
     """
     group.add_argument(
         "--endpoint",
@@ -34,7 +36,9 @@ def add_request_options(group: argparse._ArgumentGroup, *, tokenizer_default: st
         help="which OpenAI endpoint (default: completions)",
     )
     group.add_argument(
-        "--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default: $OPENAI_API_KEY)"
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help=f"bearer token (default: {api_key_default})",
     )
     group.add_argument(
         "--tokenizer", default=None, help=f"folder with tokenizer.json (default: {tokenizer_default})"

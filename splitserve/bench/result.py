@@ -34,7 +34,7 @@ class BenchmarkResult:
             "format": RESULT_FORMAT,
             "dataset": self.dataset,
             "started_at": self.started_at,
-            "arguments": _jsonable(self.arguments),
+            "arguments": jsonable(self.arguments),
             "summary": self.summary.to_dict(),
             "requests": [r.to_dict() for r in self.records],
         }
@@ -67,12 +67,12 @@ class BenchmarkResult:
         return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     """`value` with infinite and NaN floats (JSON has none) as the strings "inf", "-inf", "nan"."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     return value
