@@ -130,6 +130,7 @@ def _run_one(
         result = asyncio.run(
             run_benchmark(workload.dataset, _run_config(workload, config, url), workload.tokenizer)
         )
+        say(f"  {label}: {result.summary.completed:,} completed, {result.summary.failed:,} failed")
     except Exception as exc:  # the benchmark broke, not one request: record it and go on
         return DeploymentOutcome(
             label, config_file, "benchmark", error=f"{type(exc).__name__}: {exc}", gateway_url=url
@@ -137,8 +138,6 @@ def _run_one(
     finally:
         _stop(running, say)
     result = replace(result, arguments={**result.arguments, "label": label, "config_file": config_file})
-    summary = result.summary
-    say(f"  {label}: {summary.completed:,} completed, {summary.failed:,} failed")
     return DeploymentOutcome(label, config_file, "done", result=result, gateway_url=url)
 
 
