@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +12,6 @@ import httpx
 from splitserve.bench.api import chunk_text, error_message
 
 _MAX_ERROR_CHARS = 1000
-_DRAIN_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -68,15 +64,14 @@ async def stream_request(
                 return result(
                     f"HTTP {response.status_code}: {error_message(_json_or_none(raw), raw.strip())}"
                 )
-            lines = response.aiter_lines()
-            async for line in lines:
+            async for line in response.aiter_lines():
                 if not line.startswith("data:"):
                     continue  # blank separators, comments (keep-alives), event names
                 data = line[len("data:") :].strip()
                 if data == "[DONE]":
-                    done = result() if chunk_s else result("the stream ended without any content chunk")
-                    await _drain(lines)
-                    return done
+                    if not chunk_s:
+                        return result("the stream ended without any content chunk")
+                    return result()
                 arrival_s = time.perf_counter()
                 event = _json_or_none(data)
                 if not isinstance(event, dict):
@@ -92,19 +87,6 @@ async def stream_request(
             return result("the stream ended without data: [DONE]")
     except httpx.HTTPError as exc:
         return result(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
-
-
-async def _drain(lines: AsyncIterator[str]) -> None:
-    """Read the rest of a finished stream (the body's end after `[DONE]`), so its connection goes
-    back to the pool; httpx closes a connection whose response was left unread. A server that
-    keeps the stream open after `[DONE]` only costs that connection."""
-
-    async def exhaust() -> None:
-        async for _ in lines:
-            pass
-
-    with contextlib.suppress(asyncio.TimeoutError, httpx.HTTPError):
-        await asyncio.wait_for(exhaust(), _DRAIN_TIMEOUT_S)
 
 
 def _json_or_none(text: str) -> Any:
