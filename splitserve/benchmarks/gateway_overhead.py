@@ -12,8 +12,9 @@ each concurrency (closed loop: every lane sends its next request when the last o
 * worker alone: the gateway's own RPC sequence (Reserve, Prefill, then the Decode stream, or
   an Abort of the reservation when the prefill already finished it) from a grpc.aio client;
 * through the gateway: streaming completions over HTTP with `splitserve bench`'s runner, the
-  same prompts (text, tokenized by the gateway; `--token-ids` sends ids instead), the lanes
-  spread over httpx clients of at most 16 connections each (see `HttpClients`).
+  same prompts (text, tokenized by the gateway; `--token-ids` sends ids instead). That client
+  stops reading at `data: [DONE]`, so httpx drops the connection and every request opens a new
+  one: the gateway path pays a TCP connect and accept per request, as under `bench serve`.
 
 It prints two tables: TTFT and end-to-end p50/p99 of both paths and what the gateway adds
 (the difference of the two percentiles, not a percentile of differences); then requests/s of
@@ -60,7 +61,6 @@ from splitserve.wire import sampling_params_to_proto
 MODEL = "instant"
 WARM_UP_REQUESTS = 32
 RPC_TIMEOUT_S = 30.0
-LANES_PER_CLIENT = 16  # HTTP connections per httpx client (see HttpClients)
 
 
 # The worker alone --------------------------------------------------------------------------------
@@ -160,57 +160,19 @@ def gateway_process(worker_address: str, tokenizer_path: Path | None, max_model_
     return ServerProcess(_serve_gateway, (worker_address, path, settings), "gateway")
 
 
-class HttpClients:
-    """The HTTP side's connection pools: `concurrency` lanes spread over pools of at most
-    `LANES_PER_CLIENT` connections each.
-
-    One httpx client for every lane would measure httpx: httpcore 1.0's pool scans all its
-    connections (probing each socket) for every request it places, so its cost per request
-    grows with the pool; at 64 connections the client spent more CPU than the gateway.
-    """
-
-    def __init__(self, max_concurrency: int) -> None:
-        num_clients = -(-max_concurrency // LANES_PER_CLIENT)
-        limits = httpx.Limits(max_connections=LANES_PER_CLIENT, max_keepalive_connections=LANES_PER_CLIENT)
-        self.clients = [
-            httpx.AsyncClient(timeout=httpx.Timeout(RPC_TIMEOUT_S * 4), limits=limits)
-            for _ in range(num_clients)
-        ]
-
-    def lanes(self, concurrency: int) -> list[tuple[httpx.AsyncClient, int]]:
-        """(client, lanes on it) pairs that add up to `concurrency`, as evenly as they can."""
-        num_clients = min(len(self.clients), -(-concurrency // LANES_PER_CLIENT))
-        share, extra = divmod(concurrency, num_clients)
-        return [(self.clients[i], share + (i < extra)) for i in range(num_clients)]
-
-    async def aclose(self) -> None:
-        for client in self.clients:
-            await client.aclose()
-
-
-async def drive_gateway(clients: HttpClients, url: str, dataset: Dataset, concurrency: int) -> PathFigures:
-    """`dataset` as streaming completions through the gateway at `url`, `concurrency` at a time.
-
-    Each pool runs its own share of the requests (every k-th) with `splitserve bench`'s runner.
-    """
-    lanes = clients.lanes(concurrency)
-    shards = [
-        dataclasses.replace(dataset, requests=dataset.requests[i :: len(lanes)]) for i in range(len(lanes))
-    ]
-    runs = [
-        run_benchmark(shard, RunConfig(url, MODEL, max_concurrency=n, disable_tqdm=True), client=client)
-        for shard, (client, n) in zip(shards, lanes)
-    ]
-    start_s = time.perf_counter()
-    results = await asyncio.gather(*runs)
-    duration_s = time.perf_counter() - start_s
-    records = [r for result in results for r in result.records]
+async def drive_gateway(
+    client: httpx.AsyncClient, url: str, dataset: Dataset, concurrency: int
+) -> PathFigures:
+    """`dataset` as streaming completions through the gateway at `url`, `concurrency` at a time."""
+    config = RunConfig(base_url=url, model=MODEL, max_concurrency=concurrency, disable_tqdm=True)
+    result = await run_benchmark(dataset, config, client=client)
     samples = [
         (r.ttft_s, r.e2e_s, r.output_tokens)
-        for r in records
+        for r in result.records
         if r.success and r.ttft_s is not None and r.e2e_s is not None
     ]
-    return PathFigures.of(samples, [r.error for r in records if not r.success], duration_s)
+    errors = [r.error for r in result.records if not r.success]
+    return PathFigures.of(samples, errors, result.summary.duration_s)
 
 
 # The sweep ---------------------------------------------------------------------------------------
@@ -267,34 +229,32 @@ async def sweep(
 ) -> list[Cell]:
     """Both paths at every (output length, concurrency), the worker alone first each time.
 
-    Each path keeps its connections for the whole sweep, as the gateway keeps its channels; a
-    warm-up at the highest concurrency opens them all first.
+    One gRPC channel and one httpx client serve the whole sweep, as the gateway keeps its
+    channels; a warm-up at the highest concurrency goes first.
     """
     from frontend.clients import CHANNEL_OPTIONS  # the options the gateway's own channels use
 
     url, max_concurrency = servers.gateway.address, max(concurrencies)
-    clients = HttpClients(max_concurrency)
+    limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
     cells = []
-    try:
-        async with grpc.aio.insecure_channel(servers.worker.address, options=CHANNEL_OPTIONS) as channel:
-            first = next(iter(workloads.values()))
-            warm = first.dataset.requests[: max(WARM_UP_REQUESTS, 2 * max_concurrency)]
-            warm_ids = first.prompt_ids[: len(warm)]
-            await drive_worker(channel, warm_ids, warm[0].output_len, max_concurrency, "warm")
-            await drive_gateway(
-                clients, url, dataclasses.replace(first.dataset, requests=warm), max_concurrency
-            )
-            rows = [(n, w, c) for n, w in workloads.items() for c in concurrencies]
-            for output_len, workload, concurrency in tqdm(
-                rows, desc="gateway overhead", unit="row", disable=disable_tqdm
-            ):
-                run_id = f"direct-{output_len}-{concurrency}"
-                alone = drive_worker(channel, workload.prompt_ids, output_len, concurrency, run_id)
-                worker = await _metered(alone, servers)
-                via = drive_gateway(clients, url, workload.dataset, concurrency)
-                cells.append(Cell(output_len, concurrency, worker, await _metered(via, servers)))
-    finally:
-        await clients.aclose()
+    async with (
+        grpc.aio.insecure_channel(servers.worker.address, options=CHANNEL_OPTIONS) as channel,
+        httpx.AsyncClient(timeout=httpx.Timeout(RPC_TIMEOUT_S * 4), limits=limits) as client,
+    ):
+        first = next(iter(workloads.values()))
+        warm = first.dataset.requests[: max(WARM_UP_REQUESTS, 2 * max_concurrency)]
+        warm_ids = first.prompt_ids[: len(warm)]
+        await drive_worker(channel, warm_ids, warm[0].output_len, max_concurrency, "warm")
+        await drive_gateway(client, url, dataclasses.replace(first.dataset, requests=warm), max_concurrency)
+        rows = [(n, w, c) for n, w in workloads.items() for c in concurrencies]
+        for output_len, workload, concurrency in tqdm(
+            rows, desc="gateway overhead", unit="row", disable=disable_tqdm
+        ):
+            run_id = f"direct-{output_len}-{concurrency}"
+            alone = drive_worker(channel, workload.prompt_ids, output_len, concurrency, run_id)
+            worker = await _metered(alone, servers)
+            via = drive_gateway(client, url, workload.dataset, concurrency)
+            cells.append(Cell(output_len, concurrency, worker, await _metered(via, servers)))
     return cells
 
 

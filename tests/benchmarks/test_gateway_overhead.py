@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
-from splitserve.benchmarks.gateway_overhead import LANES_PER_CLIENT, HttpClients, main
+from splitserve.benchmarks.gateway_overhead import main
 
 NUM_REQUESTS = 6
 CONCURRENCIES = (1, 3)
@@ -42,17 +40,3 @@ def test_token_id_prompts_work_too() -> None:
         ["--num-requests", "3", "--concurrency", "2", "--output-len", "3", "--token-ids", "--disable-tqdm"]
     )
     assert all(c.gateway.num_completed == 3 and c.worker.num_completed == 3 for c in cells)
-
-
-def test_http_lanes_are_spread_evenly_over_small_pools() -> None:
-    clients = HttpClients(max_concurrency=64)
-    try:
-        assert len(clients.clients) == 64 // LANES_PER_CLIENT
-        for concurrency in (1, 3, 16, 17, 40, 64):
-            lanes = clients.lanes(concurrency)
-            counts = [n for _, n in lanes]
-            assert sum(counts) == concurrency
-            assert max(counts) <= LANES_PER_CLIENT and max(counts) - min(counts) <= 1
-            assert len({id(c) for c, _ in lanes}) == len(lanes)
-    finally:
-        asyncio.run(clients.aclose())
