@@ -196,7 +196,7 @@ COMMANDS: dict[str, Command] = {
         run=_run_config,
     ),
     "bench": Command(
-        help="benchmark a serving endpoint (bench serve: TTFT, TPOT, ITL, throughput, goodput)",
+        help="benchmark a serving endpoint (bench serve) or compare deployments (bench compare)",
         add_arguments=_add_bench_arguments,
         run=_run_bench,
     ),
