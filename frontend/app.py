@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -228,10 +228,10 @@ def _check_model(model: str | None, settings: GatewaySettings) -> None:
         raise model_not_found(model, settings.model_name)
 
 
-def _api_key_checker(api_keys: tuple[str, ...]) -> Callable[[Request], None]:
+def _api_key_checker(api_keys: tuple[str, ...]) -> Callable[[Request], Awaitable[None]]:
     keys = frozenset(api_keys)
 
-    def check(request: Request) -> None:
+    async def check(request: Request) -> None:  # async: FastAPI would run a plain def in a thread pool
         if not keys:
             return
         header = request.headers.get("authorization", "")
