@@ -99,6 +99,10 @@ def validation_error(exc: RequestValidationError) -> GatewayError:
     if not errors:
         return bad_request("invalid request body")
     first = errors[0]
+    if first.get("type") == "json_invalid":  # loc is ("body", character offset), not a field
+        reason = (first.get("ctx") or {}).get("error", "malformed JSON")
+        offset = first.get("loc", ("body", "?"))[-1]
+        return bad_request(f"the request body is not valid JSON: {reason} (at character {offset})")
     location = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_type_tag(part)]
     param = ".".join(location) or None
     message = str(first.get("msg", "invalid value"))

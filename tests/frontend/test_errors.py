@@ -79,7 +79,9 @@ def test_invalid_json_gets_a_400(gateway: Gateway):
             "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
         )
     assert response.status_code == 400
-    _error(response)
+    error = _error(response)
+    assert error["message"].startswith("the request body is not valid JSON"), error
+    assert error["param"] is None
 
 
 def test_prompt_longer_than_the_context_names_both_numbers(gateway: Gateway):
