@@ -20,6 +20,7 @@ from typing import Any
 import ray
 
 from deploy.controller import CONTROLLER_NAME, HEAD_NODE_RESOURCE, NAMESPACE, Controller
+from frontend.server import GatewayBindError, bind_listening_socket
 from splitserve.config import ClusterConfig
 
 
@@ -131,6 +132,11 @@ def _connect(config: ClusterConfig, address: str | None) -> bool:
     if target:
         ray.init(address=target, namespace=NAMESPACE)
         return False
+    if config.gateway.port:  # the gateway will run here: say the port is taken before models load
+        try:
+            bind_listening_socket(config.gateway.host, config.gateway.port).close()
+        except GatewayBindError as exc:
+            raise ClusterError(str(exc)) from None
     need = required_resources(config)
     ray.init(num_cpus=max(1, math.ceil(need["CPU"])), include_dashboard=False, namespace=NAMESPACE)
     have = ray.cluster_resources().get("GPU", 0.0)

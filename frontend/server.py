@@ -1,12 +1,16 @@
 """Runs the gateway app under uvicorn on a background thread, startable and stoppable in-process.
 
 Used by the Ray actor and by tests: `start()` returns once the socket is bound (port 0 picks a
-free port; `address` says which), `stop()` returns once the server has shut down.
+free port; `address` says which), `stop()` returns once the server has shut down. The socket is
+bound here, before uvicorn runs, so a port that is taken is one clear error raised by `start()`
+(uvicorn would log it and exit its thread with a bare status code).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import socket
 import threading
 
 import uvicorn
@@ -28,6 +32,31 @@ class _Server(uvicorn.Server):
             await super().startup(sockets)
         finally:
             self.bound.set()
+
+
+class GatewayBindError(RuntimeError):
+    """The gateway could not listen on its configured host and port."""
+
+
+def bind_listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (port 0: any free one), or a GatewayBindError saying why."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise GatewayBindError(f"gateway.host {host!r} does not resolve: {exc.strerror}") from exc
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        hint = {
+            errno.EADDRINUSE: "another process is listening there; stop it or set gateway.port",
+            errno.EADDRNOTAVAIL: "no interface on this node has that address; set gateway.host",
+            errno.EACCES: "ports below 1024 need privileges; set gateway.port above 1023",
+        }.get(exc.errno or 0, "set gateway.host and gateway.port")
+        raise GatewayBindError(f"gateway cannot listen on {host}:{port}: {exc.strerror} ({hint})") from exc
+    return sock
 
 
 class GatewayServer:
@@ -53,22 +82,25 @@ class GatewayServer:
     def start(self, timeout_s: float = 30.0) -> str:
         if self._thread is not None:
             raise RuntimeError(f"gateway already running on {self.address}")
+        sock = bind_listening_socket(self.host, self.port)
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", lifespan="on")
         self._server = server = _Server(config)
-        self._thread = threading.Thread(target=self._run, name="gateway-uvicorn", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(sock,), name="gateway-uvicorn", daemon=True)
         self._thread.start()
         if not server.bound.wait(timeout_s):
-            raise TimeoutError(f"gateway did not bind {self.host}:{self.port} within {timeout_s:g} s")
+            raise TimeoutError(f"gateway did not start on {self.host}:{self.port} within {timeout_s:g} s")
         if not server.started:
             self.stop()
-            raise RuntimeError(f"gateway failed to start on {self.host}:{self.port}: {self._error}")
-        self.port = server.servers[0].sockets[0].getsockname()[1]
+            sock.close()
+            reason = "its startup failed" if isinstance(self._error, SystemExit) else repr(self._error)
+            raise RuntimeError(f"gateway failed to start on {self.host}:{self.port}: {reason}")
+        self.port = sock.getsockname()[1]
         return self.address
 
-    def _run(self) -> None:
+    def _run(self, sock: socket.socket) -> None:
         assert self._server is not None
         try:
-            asyncio.run(self._server.serve())
+            asyncio.run(self._server.serve(sockets=[sock]))
         except BaseException as exc:  # reported by start(); a thread has nowhere else to put it
             self._error = exc
         finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -53,6 +54,19 @@ def test_up_with_a_bad_config_exits_2_before_touching_ray(tmp_path, capsys):
     path.write_text("gateway: {prot: 1}\n")
     assert main(["up", "--config", str(path)]) == 2
     assert "gateway.prot: unknown key (did you mean 'port'?)" in capsys.readouterr().err
+    assert not ray.is_initialized()
+
+
+def test_up_on_a_taken_port_says_so_before_starting_ray(tmp_path, capsys):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        path = tmp_path / "taken.yaml"
+        path.write_text(f"gateway: {{port: {port}}}\n")
+        assert main(["up", "--config", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert f"gateway cannot listen on 127.0.0.1:{port}" in err and "gateway.port" in err
     assert not ray.is_initialized()
 
 

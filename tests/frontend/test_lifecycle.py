@@ -13,10 +13,12 @@ import httpx
 import pytest
 
 from frontend.actor import GatewayActor
+from frontend.app import build_app
 from frontend.clients import WorkerClients
 from frontend.load_monitor import LoadMonitor
 from frontend.metrics import GatewayMetrics
 from frontend.router import LeastLoadRouter
+from frontend.server import GatewayBindError, GatewayServer
 from frontend.settings import GatewaySettings
 from tests.frontend.conftest import MODEL, Gateway, running_gateway
 from tests.frontend.fakes import FakeDecode, FakePrefill, FakeWorkerServer
@@ -203,6 +205,24 @@ def test_gateway_actor_starts_resizes_reports_and_stops(tiny_model_path, script)
         for server in servers:
             server.stop()
     assert actor.health()["serving"] is False
+
+
+def test_a_taken_port_is_one_clear_error_and_leaves_nothing_running():
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        server = GatewayServer(build_app(GatewaySettings(model_name=MODEL)), "127.0.0.1", port)
+        with pytest.raises(GatewayBindError, match=rf"127\.0\.0\.1:{port}.*gateway\.port"):
+            server.start()
+        assert not server.running
+        assert not [t for t in threading.enumerate() if t.name == "gateway-uvicorn"]
+
+
+def test_a_host_that_does_not_resolve_names_gateway_host():
+    server = GatewayServer(build_app(GatewaySettings(model_name=MODEL)), "no-such-host.invalid", 0)
+    with pytest.raises(GatewayBindError, match="gateway.host"):
+        server.start()
 
 
 def test_gateway_modules_never_import_torch():
