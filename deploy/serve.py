@@ -4,45 +4,48 @@ from __future__ import annotations
 
 import signal
 import sys
-import threading
 from types import FrameType
 
 from deploy.launcher import ClusterError, ClusterHandle, run_cluster
 from deploy.report import status_line
+from deploy.stop_signals import STOP_SIGNALS, StopSignals
 from splitserve.config import ClusterConfig
 
 
 def serve_forever(config: ClusterConfig, *, address: str | None = None, poll_s: float | None = None) -> int:
     """Run until SIGINT or SIGTERM, printing a status line whenever it changes; return 0 then.
 
-    A signal during startup interrupts it (and `run_cluster` ends whatever it had started);
-    afterwards a signal only wakes the wait, so the shutdown itself is never interrupted.
+    The first signal during startup interrupts it (and `run_cluster` ends whatever it had
+    started); later ones are ignored, so they cannot cut that cleanup short. Once the cluster
+    is up a signal only wakes the wait, so the shutdown itself is never interrupted.
     """
-    stop = threading.Event()
 
     def interrupt(signum: int, frame: FrameType | None) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
         raise KeyboardInterrupt
 
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS}
+    cluster: ClusterHandle | None = None
     try:
-        try:
-            print(f"starting splitserve ({config.mode}, model {config.model.served_name})...", flush=True)
-            cluster = run_cluster(config, address=address)
-        except KeyboardInterrupt:
-            print("interrupted during startup; stopped", file=sys.stderr)
-            return 0
-        except ClusterError as exc:
-            print(f"splitserve up: {exc}", file=sys.stderr)
-            return 1
-        for sig in previous:
-            signal.signal(sig, lambda signum, frame: stop.set())
-        return _watch(cluster, stop, poll_s if poll_s is not None else config.health.interval_s)
+        print(f"starting splitserve ({config.mode}, model {config.model.served_name})...", flush=True)
+        cluster = run_cluster(config, address=address)
+        with StopSignals() as stop:
+            return _watch(cluster, stop, poll_s if poll_s is not None else config.health.interval_s)
+    except KeyboardInterrupt:  # during startup, or just after it, before StopSignals took over
+        if cluster is not None:
+            cluster.stop()
+        print("interrupted during startup; stopped", file=sys.stderr)
+        return 0
+    except ClusterError as exc:
+        print(f"splitserve up: {exc}", file=sys.stderr)
+        return 1
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def _watch(cluster: ClusterHandle, stop: threading.Event, poll_s: float) -> int:
+def _watch(cluster: ClusterHandle, stop: StopSignals, poll_s: float) -> int:
     status = 1
     try:
         current = cluster.status()

@@ -117,17 +117,23 @@ def ray_with_registry(ray_cluster: None) -> Iterator[Any]:
     ray.kill(registry)
 
 
+def _signal_twice() -> None:
+    """SIGTERM then SIGINT at once, as when `timeout` relays a signal that was also sent directly."""
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGINT)
+
+
 def test_up_stops_everything_and_exits_0_on_sigterm(ray_with_registry, monkeypatch, capsys):
     started: list[Any] = []
 
     def run_with_fakes(config: Any, *, address: str | None = None) -> Any:
         handle = run_cluster(config, address=address, actor_classes=FAKE_CLASSES)
         started.append(handle)
-        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        threading.Timer(0.5, _signal_twice).start()
         return handle
 
     monkeypatch.setattr(serve, "run_cluster", run_with_fakes)
-    before = signal.getsignal(signal.SIGTERM)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     assert serve.serve_forever(small_config(), poll_s=0.1) == 0
     out, err = capsys.readouterr()
     assert "gateway: http://127.0.0.1:" in out and "healthy: prefill 1/1, decode 1/1" in out
@@ -135,7 +141,7 @@ def test_up_stops_everything_and_exits_0_on_sigterm(ray_with_registry, monkeypat
     handles = [h for _, _, h in ray.get(ray_with_registry.get_handles.remote())]
     assert len(handles) == 4 and all(is_dead(h) for h in handles)
     assert is_dead_controller()
-    assert signal.getsignal(signal.SIGTERM) is before
+    assert {sig: signal.getsignal(sig) for sig in before} == before
 
 
 def test_config_files_in_deploy_are_all_valid(capsys):
