@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
-import tempfile
 import threading
 from collections.abc import Hashable
 from pathlib import Path
@@ -13,23 +11,28 @@ from pathlib import Path
 from state_store.errors import CorruptStateError
 from state_store.lru import LruIndex
 from state_store.tier import Evicted, Tier, TierStats
+from state_store.tier_directory import ClaimedDirectory, reclaim_abandoned
 
 
 class DiskTier(Tier):
     """Holds objects as files in a fresh directory under `root`, up to `capacity_bytes`.
 
-    Owns that directory (created by `tempfile.mkdtemp`, so stores sharing a root never collide)
-    and every file in it; `close` deletes the directory. Files are written to a temporary name
-    and renamed, so a reader never sees half a file. Evicted files are deleted at once
-    (`Evicted.data` is None). Nothing survives a restart: leases die with the store. See `Tier`
-    for the locking, eviction and pin contract; file I/O runs under the tier's lock.
+    Owns that directory (a fresh one, so stores sharing a root never collide) and every file in
+    it; `close` deletes the directory. Files are written to a temporary name and renamed, so a
+    reader never sees half a file. Evicted files are deleted at once (`Evicted.data` is None).
+    Nothing survives a restart: leases die with the store, and the directories of stores that
+    died without closing are deleted when the next tier starts on the same root
+    (`tier_directory`). See `Tier` for the locking, eviction and pin contract; file I/O runs
+    under the tier's lock.
     """
 
     name = "disk"
 
     def __init__(self, root: str | os.PathLike[str], capacity_bytes: int) -> None:
         Path(root).mkdir(parents=True, exist_ok=True)
-        self.directory = Path(tempfile.mkdtemp(prefix="splitserve-tier-", dir=root))
+        self.reclaimed_bytes = reclaim_abandoned(root)
+        self._claim = ClaimedDirectory(root)
+        self.directory = self._claim.path
         self._lock = threading.Lock()
         self._index = LruIndex(self.name, capacity_bytes)
         self._paths: dict[Hashable, Path] = {}
@@ -94,7 +97,7 @@ class DiskTier(Tier):
             for oid in self._index.ids():
                 self._index.discard(oid)
             self._paths.clear()
-            shutil.rmtree(self.directory, ignore_errors=True)
+            self._claim.release()
 
     def _delete_locked(self, oid: Hashable) -> int:
         path = self._paths.pop(oid, None)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -106,3 +109,35 @@ def test_disk_tier_owns_a_private_directory_and_close_deletes_it(tmp_path: Path)
     assert not first.directory.exists() and second.get("a") == blob(2)
     second.close()
     assert list(tmp_path.iterdir()) == []
+
+
+_DIES_HOLDING_A_TIER = """
+import os, signal, sys
+from state_store.disk_tier import DiskTier
+tier = DiskTier(sys.argv[1], 10_000)
+tier.put("a", b"x" * 4000)
+print(tier.directory, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_new_disk_tier_reclaims_what_a_killed_store_left_and_spares_live_ones(tmp_path: Path) -> None:
+    live = DiskTier(tmp_path, 1000)
+    live.put("kept", blob(3))
+    killed = subprocess.run(
+        [sys.executable, "-c", _DIES_HOLDING_A_TIER, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    abandoned = Path(killed.stdout.strip())
+    assert abandoned.is_dir() and any(f.suffix == ".bin" for f in abandoned.iterdir())
+
+    fresh = DiskTier(tmp_path, 1000)
+    assert fresh.reclaimed_bytes >= 4000
+    assert not abandoned.exists()
+    assert live.get("kept") == blob(3)  # held by this process: its lock kept it
+    assert sorted(tmp_path.iterdir()) == sorted([live.directory, fresh.directory])
+    live.close()
+    fresh.close()
