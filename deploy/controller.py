@@ -401,9 +401,12 @@ class Controller:
 
     async def _shutdown(self, member: Member) -> None:
         """Ask the actor to shut down (briefly), then kill it whatever it said."""
+        timeout_s = self._config.health.timeout_s
+        if member.kind == "gateway":  # it first lets the requests in flight finish
+            timeout_s += self._config.gateway.drain_timeout_s
         if member.handle is not None:
             with contextlib.suppress(Exception):
-                await self._call(member.handle.shutdown.remote(), self._config.health.timeout_s)
+                await self._call(member.handle.shutdown.remote(), timeout_s)
         self._kill(member)
 
     def _kill(self, member: Member) -> None:

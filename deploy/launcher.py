@@ -93,7 +93,9 @@ def run_cluster(
     try:
         controller = _create_controller(config, actor_classes)
         handle = ClusterHandle(
-            controller, started_ray=started_ray, stop_timeout_s=4 * config.health.timeout_s + 30
+            controller,
+            started_ray=started_ray,
+            stop_timeout_s=4 * config.health.timeout_s + config.gateway.drain_timeout_s + 30,
         )
         ray.get(controller.start.remote())
         _wait_healthy(handle, config.health.start_timeout_s)

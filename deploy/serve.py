@@ -31,7 +31,8 @@ def serve_forever(config: ClusterConfig, *, address: str | None = None, poll_s: 
         print(f"starting splitserve ({config.mode}, model {config.model.served_name})...", flush=True)
         cluster = run_cluster(config, address=address)
         with StopSignals() as stop:
-            return _watch(cluster, stop, poll_s if poll_s is not None else config.health.interval_s)
+            poll_s = poll_s if poll_s is not None else config.health.interval_s
+            return _watch(cluster, stop, poll_s, config.gateway.drain_timeout_s)
     except KeyboardInterrupt:  # during startup, or just after it, before StopSignals took over
         if cluster is not None:
             cluster.stop()
@@ -45,7 +46,7 @@ def serve_forever(config: ClusterConfig, *, address: str | None = None, poll_s: 
             signal.signal(sig, handler)
 
 
-def _watch(cluster: ClusterHandle, stop: StopSignals, poll_s: float) -> int:
+def _watch(cluster: ClusterHandle, stop: StopSignals, poll_s: float, drain_timeout_s: float) -> int:
     status = 1
     try:
         current = cluster.status()
@@ -61,7 +62,11 @@ def _watch(cluster: ClusterHandle, stop: StopSignals, poll_s: float) -> int:
     except Exception as exc:  # the controller or the Ray cluster went away under us
         print(f"splitserve up: lost the controller ({type(exc).__name__}: {exc})", file=sys.stderr)
     finally:
-        print("stopping...", file=sys.stderr, flush=True)
+        print(
+            f"stopping: no new requests; those in flight get up to {drain_timeout_s:g} s to finish...",
+            file=sys.stderr,
+            flush=True,
+        )
         cluster.stop()
         print("stopped", file=sys.stderr, flush=True)
     return status

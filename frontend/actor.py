@@ -53,10 +53,20 @@ class GatewayActor:
             "ready": num_prefill > 0 and num_decode > 0,
         }
 
-    def shutdown(self) -> None:
-        if self._server is not None:
-            self._server.stop()
-            self._server = None
+    def shutdown(self, drain_timeout_s: float | None = None) -> int:
+        """Refuse new requests, give those in flight up to `drain_timeout_s` (the settings' by
+        default) to finish, then stop serving; returns how many were still running and got cut."""
+        if self._server is None:
+            return 0
+        admission = self.app.state.admission
+        admission.close()
+        timeout_s = self.settings.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        num_cut = admission.wait_idle(timeout_s)
+        # The drain was the grace period: cut what is left (uvicorn then skips its lifespan
+        # shutdown), or, with nothing left, stop cleanly (idle connections close at once).
+        self._server.stop(grace_s=0 if num_cut else 30)
+        self._server = None
+        return num_cut
 
 
 def remote_gateway_actor(**ray_options: Any) -> Any:

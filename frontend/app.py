@@ -19,6 +19,7 @@ from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from frontend.admission import Admission, AdmissionMiddleware
 from frontend.clients import WorkerClients
 from frontend.errors import install_error_handlers, model_not_found, unauthorized
 from frontend.generate import Generation, Pipeline, Step
@@ -78,14 +79,18 @@ def build_app(
     app = FastAPI(title="splitserve gateway", lifespan=lifespan)
     app.state.pipeline = pipeline
     app.state.monitor = monitor
+    app.state.admission = admission = Admission()
     install_error_handlers(app)
-    app.add_middleware(_CountResponses, metrics=metrics)
+    app.add_middleware(AdmissionMiddleware, admission=admission)
+    app.add_middleware(_CountResponses, metrics=metrics)  # outermost: counts the draining 503s too
     auth = [Depends(_api_key_checker(settings.api_keys))]
 
     @app.get("/health")
     async def health() -> JSONResponse:
         num_prefill, num_decode = len(router.prefill_addresses), len(router.decode_addresses)
         body = {"prefill_workers": num_prefill, "decode_workers": num_decode}
+        if not admission.is_open:
+            return JSONResponse({"status": "draining", **body}, status_code=503)
         ok = num_prefill > 0 and num_decode > 0
         return JSONResponse({"status": "ok" if ok else "no workers", **body}, status_code=200 if ok else 503)
 

@@ -106,12 +106,15 @@ class GatewayServer:
         finally:
             self._server.bound.set()
 
-    def stop(self, timeout_s: float = 30.0) -> None:
+    def stop(self, grace_s: float = 30.0, timeout_s: float = 30.0) -> None:
+        """Stop listening; give open connections `grace_s` to finish (uvicorn's graceful
+        shutdown), then force them closed, cancelling their requests; wait up to `timeout_s` more."""
         server, thread = self._server, self._thread
         if server is None or thread is None:
             return
         server.should_exit = True
-        thread.join(timeout_s)
+        if grace_s > 0:
+            thread.join(grace_s)
         if thread.is_alive():
             server.force_exit = True
             thread.join(timeout_s)

@@ -24,4 +24,7 @@ class GatewaySettings(BaseModel):
     rpc_timeout_s: float = Field(10.0, gt=0, description="unary control RPCs: Reserve, Abort, Stats")
     reserve_timeout_s: float = Field(120.0, gt=0, description="a reservation lapses if no Decode comes")
     state_lease_s: float = Field(0.0, ge=0, description="lease of transferred state; 0 = store default")
+    drain_timeout_s: float = Field(
+        30.0, ge=0, description="on stop, how long requests in flight may take to finish"
+    )
     stats_refresh_s: float = Field(0.5, gt=0, description="how often decode Stats are re-read")

@@ -135,6 +135,8 @@ class GatewayConfig(_Section):
     port: int = Field(default=8000, ge=0, le=65535)  # 0: any free port
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     num_cpus: float = Field(default=0.25, ge=0)
+    # On stop: new requests get 503 and /health says draining, those in flight get this long.
+    drain_timeout_s: float = Field(default=30, ge=0)
 
 
 class PoolConfig(_Section):

@@ -8,6 +8,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from deploy.actors import gateway_settings_kwargs
+from frontend.settings import GatewaySettings
 from splitserve.config import (
     ClusterConfig,
     ConfigError,
@@ -202,3 +204,11 @@ def test_yaml_round_trip_gives_an_equal_config(tmp_path):
     assert load_config(write(tmp_path, text)) == original
     assert isinstance(yaml.safe_load(text), dict)
     assert ClusterConfig.model_validate(original.model_dump()) == original
+
+
+def test_the_gateway_settings_carry_the_configs_gateway_keys():
+    config = parse_config({"gateway": {"api_keys": ["k"], "port": 9001, "drain_timeout_s": 5}})
+    settings = GatewaySettings(**gateway_settings_kwargs(config, None))
+    assert (settings.port, settings.api_keys, settings.drain_timeout_s) == (9001, ("k",), 5)
+    with pytest.raises(ConfigError, match="gateway.drain_timeout_s"):
+        parse_config({"gateway": {"drain_timeout_s": -1}})

@@ -1,0 +1,99 @@
+"""Admission of API requests, and draining them before the gateway stops.
+
+While open, every generation request (completions, chat) is counted from its first byte in
+to its last byte out, streams included. `close()` turns new ones away with a 503 and makes
+`/health` say `draining`, so a load balancer moves on; `wait_idle()` then lets the requests
+already admitted finish, up to a deadline. A rolling restart or a Ctrl-C so loses no request
+that could finish within `drain_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from frontend.errors import error_body
+
+GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+class Admission:
+    """Owns the count of admitted generation requests and the open/closed flag.
+
+    Thread-safe: the event loop admits and releases, another thread (the Ray actor's) closes
+    and waits. Closing is one-way.
+    """
+
+    def __init__(self) -> None:
+        self._idle = threading.Condition()
+        self._num_in_flight = 0
+        self._open = True
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._num_in_flight
+
+    def try_admit(self) -> bool:
+        with self._idle:
+            if not self._open:
+                return False
+            self._num_in_flight += 1
+            return True
+
+    def release(self) -> None:
+        with self._idle:
+            self._num_in_flight -= 1
+            if self._num_in_flight == 0:
+                self._idle.notify_all()
+
+    def close(self) -> None:
+        with self._idle:
+            self._open = False
+
+    def wait_idle(self, timeout_s: float) -> int:
+        """Block until no admitted request is left or `timeout_s` passes; how many are left."""
+        deadline_s = time.monotonic() + timeout_s
+        with self._idle:
+            while self._num_in_flight > 0:
+                remaining_s = deadline_s - time.monotonic()
+                if remaining_s <= 0:
+                    break
+                self._idle.wait(remaining_s)
+            return self._num_in_flight
+
+
+class AdmissionMiddleware:
+    """ASGI middleware: counts generation requests through `Admission`; 503 once it is closed."""
+
+    def __init__(self, app: ASGIApp, admission: Admission) -> None:
+        self.app = app
+        self.admission = admission
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") not in GENERATION_ROUTES:
+            await self.app(scope, receive, send)
+            return
+        if not self.admission.try_admit():
+            await _send_draining(send)
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.admission.release()
+
+
+async def _send_draining(send: Send) -> None:
+    body = error_body(
+        503, "the gateway is shutting down and takes no new requests; retry elsewhere", None, "draining"
+    )
+    payload = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    await send({"type": "http.response.start", "status": 503, "headers": [*headers, (b"retry-after", b"1")]})
+    await send({"type": "http.response.body", "body": payload})
