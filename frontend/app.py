@@ -23,7 +23,15 @@ from frontend.admission import Admission, AdmissionMiddleware
 from frontend.clients import WorkerClients
 from frontend.errors import install_error_handlers, model_not_found, unauthorized
 from frontend.generate import Generation, Pipeline, Step
-from frontend.inputs import require_tokenizer, token_budget, tokenize_chat, tokenize_prompt
+from frontend.inputs import (
+    messages_chars,
+    off_the_loop_if_long,
+    prompt_chars,
+    require_tokenizer,
+    token_budget,
+    tokenize_chat,
+    tokenize_prompt,
+)
 from frontend.load_monitor import LoadMonitor
 from frontend.metrics import GatewayMetrics
 from frontend.protocol import (
@@ -110,7 +118,10 @@ def build_app(
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         arrival_s = time.monotonic()
         _check_model(body.model, settings)
-        prompts = [tokenize_prompt(p, tokenizer) for p in body.prompts()]
+        texts = body.prompts()
+        prompts = await off_the_loop_if_long(
+            prompt_chars(texts), lambda: [tokenize_prompt(p, tokenizer) for p in texts]
+        )
         params = _params_for(body, prompts, settings, tokenizer, body.max_tokens)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         gens = [
@@ -151,8 +162,10 @@ def build_app(
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         arrival_s = time.monotonic()
         _check_model(body.model, settings)
-        ids = tokenize_chat(
-            body.template_messages(), tokenizer, body.add_generation_prompt, body.chat_template_kwargs
+        messages = body.template_messages()
+        ids = await off_the_loop_if_long(
+            messages_chars(messages),
+            lambda: tokenize_chat(messages, tokenizer, body.add_generation_prompt, body.chat_template_kwargs),
         )
         params = _params_for(body, [ids], settings, tokenizer, body.requested_max_tokens())
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
