@@ -51,7 +51,7 @@ def gateway_settings_kwargs(config: ClusterConfig, model_path: str | None) -> di
         "host": config.gateway.host,
         "port": config.gateway.port,
         "api_keys": list(config.gateway.api_keys),
-        "drain_timeout_s": config.gateway.drain_timeout_s,
+        "drain_timeout_s": config.health.drain_timeout_s,
     }
     max_model_len = config.model.max_model_len or _checkpoint_context(model_path)
     if max_model_len is not None:  # else the gateway's own default applies

@@ -117,7 +117,8 @@ class Controller:
                 removed = target.members[replicas:]
                 del target.members[replicas:]
                 await self._publish()  # the gateway stops routing to them before they stop
-                await asyncio.gather(*(self._shutdown(m) for m in removed))
+                drain_s = self._config.health.drain_timeout_s
+                await asyncio.gather(*(self._shutdown(m, drain_s) for m in removed))
                 self._drop_unused_groups(target)
             await self._publish()
         return await self.status()
@@ -132,8 +133,11 @@ class Controller:
         async with self._lock:
             workers = [m for pool in self._pools.values() for m in pool.members]
             stages = [[self._gateway] if self._gateway else [], workers, list(self._stores.values())]
-            for stage in stages:
-                await asyncio.gather(*(self._shutdown(m) for m in stage))
+            drain_s = self._config.health.drain_timeout_s
+            for stage in stages:  # the gateway drains; after it, the workers hold nothing to wait for
+                await asyncio.gather(
+                    *(self._shutdown(m, drain_s if m.kind == "gateway" else 0) for m in stage)
+                )
             for pool in self._pools.values():
                 for group in pool.groups:
                     with contextlib.suppress(Exception):
@@ -399,14 +403,14 @@ class Controller:
             with contextlib.suppress(Exception):
                 remove_placement_group(group)
 
-    async def _shutdown(self, member: Member) -> None:
-        """Ask the actor to shut down (briefly), then kill it whatever it said."""
-        timeout_s = self._config.health.timeout_s
-        if member.kind == "gateway":  # it first lets the requests in flight finish
-            timeout_s += self._config.gateway.drain_timeout_s
+    async def _shutdown(self, member: Member, drain_timeout_s: float = 0.0) -> None:
+        """Ask the actor to shut down, letting its requests in flight finish for up to
+        `drain_timeout_s` first; then kill it whatever it said."""
         if member.handle is not None:
+            shutdown = member.handle.shutdown
+            call = shutdown.remote(drain_timeout_s=drain_timeout_s) if drain_timeout_s else shutdown.remote()
             with contextlib.suppress(Exception):
-                await self._call(member.handle.shutdown.remote(), timeout_s)
+                await self._call(call, self._config.health.timeout_s + drain_timeout_s)
         self._kill(member)
 
     def _kill(self, member: Member) -> None:

@@ -95,7 +95,7 @@ def run_cluster(
         handle = ClusterHandle(
             controller,
             started_ray=started_ray,
-            stop_timeout_s=4 * config.health.timeout_s + config.gateway.drain_timeout_s + 30,
+            stop_timeout_s=4 * config.health.timeout_s + config.health.drain_timeout_s + 30,
         )
         ray.get(controller.start.remote())
         _wait_healthy(handle, config.health.start_timeout_s)

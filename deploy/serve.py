@@ -32,7 +32,7 @@ def serve_forever(config: ClusterConfig, *, address: str | None = None, poll_s: 
         cluster = run_cluster(config, address=address)
         with StopSignals() as stop:
             poll_s = poll_s if poll_s is not None else config.health.interval_s
-            return _watch(cluster, stop, poll_s, config.gateway.drain_timeout_s)
+            return _watch(cluster, stop, poll_s, config.health.drain_timeout_s)
     except KeyboardInterrupt:  # during startup, or just after it, before StopSignals took over
         if cluster is not None:
             cluster.stop()

@@ -135,8 +135,6 @@ class GatewayConfig(_Section):
     port: int = Field(default=8000, ge=0, le=65535)  # 0: any free port
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     num_cpus: float = Field(default=0.25, ge=0)
-    # On stop: new requests get 503 and /health says draining, those in flight get this long.
-    drain_timeout_s: float = Field(default=30, ge=0)
 
 
 class PoolConfig(_Section):
@@ -192,14 +190,16 @@ class CacheConfig(_Section):
 
 
 class HealthConfig(_Section):
-    """How the controller watches its actors: a `health()` call every `interval_s`, each
-    allowed `timeout_s`; a dead or failing actor is restarted at most `max_restarts` times.
-    `start_timeout_s` bounds an actor's `start()` (which loads the model)."""
+    """How the controller watches and stops its actors: a `health()` call every `interval_s`,
+    each allowed `timeout_s`; a dead or failing actor is restarted at most `max_restarts` times.
+    `start_timeout_s` bounds an actor's `start()` (which loads the model). On stop, and for the
+    workers a scale-down removes, requests in flight get `drain_timeout_s` to finish."""
 
     interval_s: float = Field(default=5, gt=0)
     timeout_s: float = Field(default=10, gt=0)
     max_restarts: int = Field(default=3, ge=0)
     start_timeout_s: float = Field(default=300, gt=0)
+    drain_timeout_s: float = Field(default=30, ge=0)
 
 
 class ClusterConfig(_Section):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -66,9 +67,30 @@ class WorkerActorBase:
 
         return self.loop.call(read).result(timeout=30)
 
-    def shutdown(self) -> None:
+    def shutdown(self, drain_timeout_s: float = 0.0) -> int:
+        """Stop serving. With `drain_timeout_s` (a scale-down: the gateway already routes
+        elsewhere), first let the requests this engine holds (waiting, running or reserved)
+        finish, up to that long; returns how many it still held when it stopped."""
+        num_held = self._drain(drain_timeout_s) if drain_timeout_s > 0 else 0
         if self._server is not None:
             self._server.stop(grace=1.0).wait(5)
             self._server = None
         if self.loop is not None:
             self.loop.stop()
+        return num_held
+
+    def _drain(self, timeout_s: float) -> int:
+        """Poll the engine (20 times a second) until it holds no request or `timeout_s` passes."""
+        if self.loop is None or not self.loop.alive:
+            return 0
+        deadline_s = time.monotonic() + timeout_s
+        while True:
+            num_held = self.loop.call(_num_held_requests).result(timeout=30)
+            if num_held == 0 or time.monotonic() >= deadline_s:
+                return int(num_held)
+            time.sleep(0.05)
+
+
+def _num_held_requests(engine: Any) -> int:
+    sched = engine.scheduler
+    return len(sched.waiting) + len(sched.running) + len(sched.reserved)

@@ -62,7 +62,7 @@ class _Fake:
     def stats(self) -> dict[str, Any]:
         return {"num_running": 1, "kind": self.kind}
 
-    def shutdown(self) -> None:
+    def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         ray.get(_registry().record.remote("shutdown", self.kind, self.address))
 
 

@@ -207,8 +207,8 @@ def test_yaml_round_trip_gives_an_equal_config(tmp_path):
 
 
 def test_the_gateway_settings_carry_the_configs_gateway_keys():
-    config = parse_config({"gateway": {"api_keys": ["k"], "port": 9001, "drain_timeout_s": 5}})
+    config = parse_config({"gateway": {"api_keys": ["k"], "port": 9001}, "health": {"drain_timeout_s": 5}})
     settings = GatewaySettings(**gateway_settings_kwargs(config, None))
     assert (settings.port, settings.api_keys, settings.drain_timeout_s) == (9001, ("k",), 5)
-    with pytest.raises(ConfigError, match="gateway.drain_timeout_s"):
-        parse_config({"gateway": {"drain_timeout_s": -1}})
+    with pytest.raises(ConfigError, match="health.drain_timeout_s"):
+        parse_config({"health": {"drain_timeout_s": -1}})

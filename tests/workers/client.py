@@ -19,16 +19,29 @@ class Result:
     timing: prefill_pb2.PrefillTiming | None = None  # the prefill's report
 
 
-def generate(
-    prefill_address: str, decode_address: str, request_id: str, prompt: list[int], params: SamplingParams
-) -> Result:
-    with make_channel(prefill_address) as pc, make_channel(decode_address) as dc:
-        prefill, decode = prefill_pb2_grpc.PrefillStub(pc), decode_pb2_grpc.DecodeStub(dc)
-        reserved = decode.Reserve(
+def reserve(decode_address: str, request_id: str, prompt: list[int]) -> decode_pb2.ReserveResponse:
+    with make_channel(decode_address) as dc:
+        reserved = decode_pb2_grpc.DecodeStub(dc).Reserve(
             decode_pb2.ReserveRequest(request_id=request_id, num_prompt_tokens=len(prompt), timeout_s=30),
             timeout=30,
         )
-        assert reserved.accepted, reserved.reject_reason
+    assert reserved.accepted, reserved.reject_reason
+    return reserved
+
+
+def generate(
+    prefill_address: str,
+    decode_address: str,
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams,
+    reserved: decode_pb2.ReserveResponse | None = None,
+) -> Result:
+    """The whole flow; with `reserved`, the decode room was already reserved for `request_id`."""
+    if reserved is None:
+        reserved = reserve(decode_address, request_id, prompt)
+    with make_channel(prefill_address) as pc, make_channel(decode_address) as dc:
+        prefill, decode = prefill_pb2_grpc.PrefillStub(pc), decode_pb2_grpc.DecodeStub(dc)
         sp = sampling_params_to_proto(params)
         request = prefill_pb2.PrefillRequest(
             request_id=request_id,
