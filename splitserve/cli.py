@@ -147,6 +147,12 @@ def _run_resize(args: argparse.Namespace) -> int:
     from deploy.launcher import ClusterError, resize_pool
     from deploy.report import status_line
 
+    print(
+        f"resizing {args.pool} to {args.replicas}; replicas removed first finish the requests they hold "
+        "(up to health.drain_timeout_s)...",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         status = resize_pool(args.pool, args.replicas, args.address)
     except ClusterError as exc:
