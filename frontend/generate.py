@@ -107,9 +107,12 @@ class Generation:
             raise unavailable("no decode workers are available; try again later")
         if prefill_address is None:
             raise unavailable("no prefill workers are available; try again later")
-        reservation = await self._reserve(decode_candidates)
-        if self._decode_address in self.p.router.prefill_addresses:
-            prefill_address = self._decode_address  # colocated: the engine holding the room prefills
+        # One token is all the prefill makes: no decode room to reserve, nor an Abort to free it.
+        reservation = None
+        if self.params.max_tokens != 1:
+            reservation = await self._reserve(decode_candidates)
+            if self._decode_address in self.p.router.prefill_addresses:
+                prefill_address = self._decode_address  # colocated: the engine holding the room prefills
         response = await self._prefill(prefill_address, reservation)
         self.num_cached_tokens = response.num_cached_tokens
         timing = response.timing
@@ -224,17 +227,18 @@ class Generation:
         raise unavailable("no decode worker could be reached: " + "; ".join(failures))
 
     async def _prefill(
-        self, address: str, reservation: decode_pb2.ReserveResponse
+        self, address: str, reservation: decode_pb2.ReserveResponse | None
     ) -> prefill_pb2.PrefillResponse:
         request = prefill_pb2.PrefillRequest(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_ids,
             sampling_params=sampling_params_to_proto(self.params),
-            store_address=reservation.store_address,
-            state_key=reservation.state_key,
-            state_owner=reservation.state_owner,
             lease_s=self.p.settings.state_lease_s,
         )
+        if reservation is not None:
+            request.store_address = reservation.store_address
+            request.state_key = reservation.state_key
+            request.state_owner = reservation.state_owner
         self._prefill_address = address
         self._prefill_in_flight = True
         self.p.router.on_prefill_start(address, len(self.prompt_ids))

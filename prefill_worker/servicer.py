@@ -9,7 +9,7 @@ import time
 
 import grpc
 
-from prefill_worker.state_writer import StateWriter
+from prefill_worker.state_writer import NoStateWriter, StateWriter
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import HANDOFF, LLMEngine, RequestUpdate
 from splitserve.grpc_server import abort
@@ -46,10 +46,20 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             params = sampling_params_from_proto(request.sampling_params)
         except ValueError as exc:
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if not request.store_address or not request.state_key:
-            abort(context, grpc.StatusCode.INVALID_ARGUMENT, "store_address and state_key are required")
-        store = self._store(request.store_address)
-        writer = StateWriter(store, request.state_key, request.state_owner or self.worker_id, request.lease_s)
+        # A request that ends on its first token needs no decode, so no state target either.
+        needs_state = params.max_tokens != 1 or bool(request.state_key)
+        if needs_state and (not request.store_address or not request.state_key):
+            abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "store_address and state_key are required unless max_tokens is 1",
+            )
+        writer: StateWriter | NoStateWriter = NoStateWriter()
+        if needs_state:
+            store = self._store(request.store_address)
+            owner = request.state_owner or self.worker_id
+            writer = StateWriter(store, request.state_key, owner, request.lease_s)
+        export = writer.write if isinstance(writer, StateWriter) else None
         done = threading.Event()
         result: list[RequestUpdate] = []
 
@@ -61,7 +71,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.loop.watch(rid, on_update)
         prompt = list(request.prompt_token_ids)
         try:
-            self.loop.call(lambda e: e.add_request(rid, prompt, params, export=writer.write)).result()
+            self.loop.call(lambda e: e.add_request(rid, prompt, params, export=export)).result()
         except ValueError as exc:
             self.loop.unwatch(rid)
             writer.cancel()
@@ -114,7 +124,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     num_layers=len(self.loop.engine.model_config.layer_types),
                 )
             )
-        else:  # finished on its first token: nobody will read the state
+        elif needs_state:  # finished on its first token: nobody will read the state
             store.Release(store_pb2.ReleaseRequest(key=request.state_key), timeout=10)
         return response
 

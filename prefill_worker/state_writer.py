@@ -50,3 +50,19 @@ class StateWriter:
     def _messages(self) -> Iterator[common_pb2.StateChunk]:
         while (chunk := self._queue.get()) is not _END:
             yield chunk
+
+
+class NoStateWriter:
+    """Stands in for `StateWriter` when a request ends on its first token (max_tokens 1):
+    nothing is exported, sent or sealed, and no store is touched."""
+
+    key, owner, num_bytes = "", "", 0
+
+    def finish(self, timeout_s: float) -> None:
+        return None
+
+    def stream_s(self) -> float:
+        return 0.0
+
+    def cancel(self) -> None:
+        return None

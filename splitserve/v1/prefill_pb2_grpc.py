@@ -58,7 +58,8 @@ class PrefillServicer:
 
     def Prefill(self, request, context):
         """Runs the prompt, writes its state into the target store under state_key and returns the
-        first token with the state's handle.
+        first token with the state's handle. With max_tokens 1 the store fields may be empty: the
+        first token ends the request, so nothing is written.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -170,12 +170,23 @@ def test_include_stop_str_in_output_keeps_the_stop_string(gateway: Gateway):
     assert result.choices[0].text == SCRIPT_TEXT[: SCRIPT_TEXT.index("fox") + 3]
 
 
-def test_finished_on_the_first_token_skips_decode_and_frees_the_reservation(gateway: Gateway):
-    result = gateway.openai().completions.create(model=MODEL, prompt="Say hello", max_tokens=1)
-    assert result.choices[0].finish_reason == "length"
+def test_a_stop_on_the_first_token_skips_decode_and_frees_the_reservation(gateway: Gateway, script):
+    result = gateway.openai().completions.create(
+        model=MODEL, prompt="Say hello", max_tokens=8, extra_body={"stop_token_ids": [script.token_ids[0]]}
+    )
+    assert result.choices[0].finish_reason == "stop"
     assert result.usage.completion_tokens == 1
     assert gateway.decode.decodes == []
     assert gateway.decode.aborts == [gateway.decode.reserves[0].request_id]
+
+
+def test_max_tokens_1_reserves_no_decode_room_and_sends_no_state_target(gateway: Gateway):
+    result = gateway.openai().completions.create(model=MODEL, prompt="Say hello", max_tokens=1)
+    assert result.choices[0].finish_reason == "length"
+    assert result.usage.completion_tokens == 1
+    assert gateway.decode.reserves == [] and gateway.decode.aborts == [] and gateway.decode.decodes == []
+    (prefill,) = gateway.prefill.requests
+    assert prefill.store_address == "" and prefill.state_key == ""
 
 
 def test_stop_string_on_the_first_token_skips_decode(gateway: Gateway):

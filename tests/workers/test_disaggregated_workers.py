@@ -9,7 +9,16 @@ import pytest
 
 from splitserve import LLM, SamplingParams
 from splitserve.rpc import make_channel
-from splitserve.v1 import decode_pb2, decode_pb2_grpc, store_pb2, store_pb2_grpc
+from splitserve.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    store_pb2,
+    store_pb2_grpc,
+)
+from splitserve.wire import sampling_params_to_proto
 from tests.workers.client import generate
 
 PROMPTS = [[5, 6, 7], list(range(3, 140)), [40] * 20 + list(range(60, 100)), list(range(200, 210))]
@@ -163,3 +172,34 @@ def test_client_that_disconnects_mid_stream_frees_everything(cluster, store_serv
 
     assert _wait_until(freed), decoder.stats()
     assert store_server[0].stats().num_keys == 0
+
+
+def test_a_one_token_prefill_needs_no_state_target_and_writes_nothing(cluster, store_server, engine_config):
+    workers, addr = cluster
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    request = prefill_pb2.PrefillRequest(
+        request_id="one-token", prompt_token_ids=PROMPTS[1], sampling_params=sampling_params_to_proto(params)
+    )
+    with make_channel(addr["prefill"]) as ch:
+        response = prefill_pb2_grpc.PrefillStub(ch).Prefill(request, timeout=60)
+    offline = LLM(model=engine_config.model, max_model_len=512).generate(
+        prompt_token_ids=[PROMPTS[1]], sampling_params=params
+    )
+    assert [response.first_token_id] == offline[0].outputs[0].token_ids
+    assert response.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert not response.HasField("state") and response.timing.state_bytes == 0
+    stats = workers["prefill"].stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["num_free_kv_blocks"] == stats["num_total_kv_blocks"]
+
+
+def test_a_prefill_that_hands_off_must_name_its_state_target(cluster):
+    _, addr = cluster
+    params = SamplingParams(temperature=0, max_tokens=4)
+    request = prefill_pb2.PrefillRequest(
+        request_id="no-target", prompt_token_ids=PROMPTS[0], sampling_params=sampling_params_to_proto(params)
+    )
+    with make_channel(addr["prefill"]) as ch, pytest.raises(grpc.RpcError) as err:
+        prefill_pb2_grpc.PrefillStub(ch).Prefill(request, timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "unless max_tokens is 1" in err.value.details()
