@@ -123,7 +123,7 @@ class ColocatedServicer(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.Decode
             done.set()
             self._forget(rid)
 
-        yield from stream_deltas(rid, stream.updates, finish)
+        yield from stream_deltas(rid, stream.updates, finish, context)
 
     def _forget(self, rid: str) -> None:
         with self._lock:

@@ -109,7 +109,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self._release(reader.key)
         finished = threading.Event()
         context.add_callback(lambda: None if finished.is_set() else self._abort_engine(rid))
-        yield from stream_deltas(rid, updates, finished.set, state_wait_s)
+        yield from stream_deltas(rid, updates, finished.set, context, state_wait_s)
 
     def _free_room(self, reader: StateReader) -> None:
         """The state will never arrive whole: free the room now; Decode still reports why."""
@@ -172,17 +172,32 @@ def decode_stats(engine: LLMEngine) -> decode_pb2.DecodeStats:
     )
 
 
+# How often a stream waiting for its next update checks that its RPC is still alive.
+_LIVENESS_CHECK_S = 1.0
+
+
 def stream_deltas(
     rid: str,
     updates: queue.Queue[RequestUpdate],
     on_finish: Callable[[], None],
+    context: grpc.ServicerContext,
     state_wait_s: float = 0.0,
 ) -> Iterator[decode_pb2.TokenDelta]:
-    """One TokenDelta per engine update until the finishing one; `on_finish` runs just before it."""
+    """One TokenDelta per engine update until the finishing one; `on_finish` runs just before it.
+
+    Ends quietly once the RPC is no longer active (the client cancelled, the server stopped):
+    an aborted request sends no further update, and a handler left waiting for one would hold
+    a server thread for ever.
+    """
     num_generated = 1  # the prefill's first token
     first = True
     while True:
-        update = updates.get()
+        try:
+            update = updates.get(timeout=_LIVENESS_CHECK_S)
+        except queue.Empty:
+            if not context.is_active():
+                return
+            continue
         num_generated += len(update.new_token_ids)
         delta = decode_pb2.TokenDelta(
             request_id=rid,
