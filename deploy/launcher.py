@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -134,6 +135,7 @@ def _connect(config: ClusterConfig, address: str | None) -> bool:
     if target:
         ray.init(address=target, namespace=NAMESPACE)
         return False
+    _check_local_model(config)
     if config.gateway.port:  # the gateway will run here: say the port is taken before models load
         try:
             bind_listening_socket(config.gateway.host, config.gateway.port).close()
@@ -149,6 +151,19 @@ def _connect(config: ClusterConfig, address: str | None) -> bool:
             f"num_gpus: 0 in the pools, or pass --address to use a Ray cluster with GPUs"
         )
     return True
+
+
+def _check_local_model(config: ClusterConfig) -> None:
+    """On a local Ray every worker reads the checkpoint from this machine: check it is there."""
+    if config.model.path is None:  # the embedded default is built on first use
+        return
+    folder = Path(config.model.path).expanduser()
+    if not (folder / "config.json").is_file():
+        what = "is not a folder" if not folder.is_dir() else "has no config.json"
+        raise ClusterError(
+            f"model.path {config.model.path!r} {what} on this machine; point it at a checkpoint folder "
+            "(one that save_pretrained wrote)"
+        )
 
 
 def _create_controller(config: ClusterConfig, actor_classes: dict[str, type] | None) -> Any:

@@ -70,6 +70,14 @@ def test_up_on_a_taken_port_says_so_before_starting_ray(tmp_path, capsys):
     assert not ray.is_initialized()
 
 
+def test_up_with_a_missing_checkpoint_says_so_before_starting_ray(tmp_path, capsys):
+    path = tmp_path / "missing.yaml"
+    path.write_text(f"model: {{path: {tmp_path / 'no-such-model'}}}\n")
+    assert main(["up", "--config", str(path)]) == 1
+    assert "is not a folder on this machine" in capsys.readouterr().err
+    assert not ray.is_initialized()
+
+
 STATUS: dict[str, Any] = {
     "mode": "disaggregated",
     "model": "m",
