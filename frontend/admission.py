@@ -9,10 +9,10 @@ that could finish within `drain_timeout_s`.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from frontend.errors import error_body
@@ -35,10 +35,6 @@ class Admission:
     @property
     def is_open(self) -> bool:
         return self._open
-
-    @property
-    def num_in_flight(self) -> int:
-        return self._num_in_flight
 
     def try_admit(self) -> bool:
         with self._idle:
@@ -81,7 +77,7 @@ class AdmissionMiddleware:
             await self.app(scope, receive, send)
             return
         if not self.admission.try_admit():
-            await _send_draining(send)
+            await _DRAINING(scope, receive, send)
             return
         try:
             await self.app(scope, receive, send)
@@ -89,11 +85,10 @@ class AdmissionMiddleware:
             self.admission.release()
 
 
-async def _send_draining(send: Send) -> None:
-    body = error_body(
+_DRAINING = JSONResponse(
+    error_body(
         503, "the gateway is shutting down and takes no new requests; retry elsewhere", None, "draining"
-    )
-    payload = json.dumps(body).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-    await send({"type": "http.response.start", "status": 503, "headers": [*headers, (b"retry-after", b"1")]})
-    await send({"type": "http.response.body", "body": payload})
+    ),
+    status_code=503,
+    headers={"retry-after": "1"},
+)

@@ -1,9 +1,10 @@
 """From a request to prompt token ids and a token budget, with every check before a worker.
 
 Text is tokenized here (the chat template rendered first); token ids are taken as they are.
-The context check names both numbers, as a user needs to fix the request. A long text is
-tokenized on a worker thread with the GIL released (`off_the_loop_if_long`), so one 100k-token
-prompt does not stall every other stream the event loop is serving for a fifth of a second.
+The context check names both numbers, as a user needs to fix the request. Text goes through
+the tokenizer's GIL-free path, and long inputs run on a worker thread (`off_the_loop_if_long`),
+so one 100k-token prompt does not stall every stream the event loop serves for a fifth of a
+second.
 """
 
 from __future__ import annotations
@@ -38,12 +39,6 @@ def messages_chars(messages: list[dict[str, Any]]) -> int:
     return sum(len(str(m.get("content") or "")) for m in messages)
 
 
-def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    if len(text) < LONG_TEXT_CHARS:
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    return tokenizer.encode_releasing_gil(text, add_special_tokens=add_special_tokens)
-
-
 def require_tokenizer(tokenizer: Tokenizer | None, what: str) -> Tokenizer:
     if tokenizer is None:
         raise bad_request(
@@ -55,7 +50,9 @@ def require_tokenizer(tokenizer: Tokenizer | None, what: str) -> Tokenizer:
 def tokenize_prompt(prompt: str | list[int], tokenizer: Tokenizer | None) -> list[int]:
     """Token ids of one completions prompt; ids are range-checked when the vocabulary is known."""
     if isinstance(prompt, str):
-        return _encode(require_tokenizer(tokenizer, "text prompts"), prompt, add_special_tokens=True)
+        return require_tokenizer(tokenizer, "text prompts").encode_releasing_gil(
+            prompt, add_special_tokens=True
+        )
     ids = list(prompt)
     if tokenizer is not None:
         vocab_size = tokenizer.vocab_size
@@ -83,7 +80,7 @@ def tokenize_chat(
         )
     except (ValueError, TypeError, jinja2.TemplateError) as exc:
         raise bad_request(f"could not render the chat template: {exc}", "messages") from exc
-    ids = _encode(tokenizer, text, add_special_tokens=False)
+    ids = tokenizer.encode_releasing_gil(text, add_special_tokens=False)
     if not ids:
         raise bad_request("the rendered chat prompt is empty", "messages")
     return ids

@@ -14,7 +14,7 @@ from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import HANDOFF, LLMEngine, RequestUpdate
 from splitserve.grpc_server import abort
 from splitserve.rpc import make_channel
-from splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc, store_pb2, store_pb2_grpc
+from splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc, store_pb2_grpc
 from splitserve.wire import FINISH_TO_PROTO, logprobs_to_proto, sampling_params_from_proto
 
 logger = logging.getLogger(__name__)
@@ -55,11 +55,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 "store_address and state_key are required unless max_tokens is 1",
             )
         writer: StateWriter | NoStateWriter = NoStateWriter()
+        export = None  # without one the engine runs an ordinary request, ended by max_tokens 1
         if needs_state:
-            store = self._store(request.store_address)
             owner = request.state_owner or self.worker_id
-            writer = StateWriter(store, request.state_key, owner, request.lease_s)
-        export = writer.write if isinstance(writer, StateWriter) else None
+            writer = StateWriter(
+                self._store(request.store_address), request.state_key, owner, request.lease_s
+            )
+            export = writer.write
         done = threading.Event()
         result: list[RequestUpdate] = []
 
@@ -124,8 +126,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     num_layers=len(self.loop.engine.model_config.layer_types),
                 )
             )
-        elif needs_state:  # finished on its first token: nobody will read the state
-            store.Release(store_pb2.ReleaseRequest(key=request.state_key), timeout=10)
+        else:  # finished on its first token: nobody will read the state
+            writer.release()
         return response
 
     def _abort(self, request_id: str) -> None:

@@ -25,6 +25,7 @@ class StateWriter:
         self.num_bytes = 0
         self.first_write_s: float | None = None  # monotonic time the first layer was queued
         self._queue: queue.Queue[common_pb2.StateChunk | None] = queue.Queue()
+        self._stub = stub
         self._call = stub.Put.future(self._messages())
 
     def write(self, state: LayerState) -> None:
@@ -47,6 +48,10 @@ class StateWriter:
         self._queue.put(_END)
         self._call.cancel()
 
+    def release(self) -> None:
+        """Drop the stored state (after `finish`): the request ended and nobody will read it."""
+        self._stub.Release(store_pb2.ReleaseRequest(key=self.key), timeout=10)
+
     def _messages(self) -> Iterator[common_pb2.StateChunk]:
         while (chunk := self._queue.get()) is not _END:
             yield chunk
@@ -65,4 +70,7 @@ class NoStateWriter:
         return 0.0
 
     def cancel(self) -> None:
+        return None
+
+    def release(self) -> None:
         return None

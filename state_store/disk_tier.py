@@ -29,7 +29,6 @@ class DiskTier(Tier):
     name = "disk"
 
     def __init__(self, root: str | os.PathLike[str], capacity_bytes: int) -> None:
-        Path(root).mkdir(parents=True, exist_ok=True)
         self.reclaimed_bytes = reclaim_abandoned(root)
         self._claim = ClaimedDirectory(root)
         self.directory = self._claim.path
