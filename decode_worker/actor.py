@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import grpc
 
-from splitserve.worker_actor import WorkerActorBase
+from splitserve.worker.actor_base import WorkerActorBase
 
 
 class DecodeWorkerActor(WorkerActorBase):

@@ -6,23 +6,19 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import grpc
 
 from decode_worker.state_reader import StateReader
 from splitserve.engine.engine_loop import EngineLoop
-from splitserve.engine.llm_engine import LLMEngine, RequestUpdate
+from splitserve.engine.llm_engine import RequestUpdate
 from splitserve.engine.state_codec import CorruptStateError
-from splitserve.grpc_server import abort
-from splitserve.rpc import make_channel
+from splitserve.rpc import abort, make_channel
 from splitserve.v1 import decode_pb2, decode_pb2_grpc, store_pb2, store_pb2_grpc
-from splitserve.wire import (
-    FINISH_TO_PROTO,
-    logprobs_from_proto,
-    logprobs_to_proto,
-    sampling_params_from_proto,
-)
+from splitserve.wire import logprobs_from_proto, sampling_params_from_proto
+from splitserve.worker.load import decode_stats
+from splitserve.worker.token_stream import stream_deltas
 
 logger = logging.getLogger(__name__)
 
@@ -156,64 +152,3 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self, request: decode_pb2.DecodeStatsRequest, context: grpc.ServicerContext
     ) -> decode_pb2.DecodeStats:
         return self.loop.call(decode_stats).result(timeout=10)
-
-
-def decode_stats(engine: LLMEngine) -> decode_pb2.DecodeStats:
-    """Room as the router reads it: free KV blocks and state slots, running and reserved seqs."""
-    sched = engine.scheduler
-    return decode_pb2.DecodeStats(
-        num_running_seqs=len(sched.running),
-        num_reserved=len(sched.reserved),
-        max_num_seqs=engine.config.max_num_seqs,
-        num_free_kv_blocks=sched.blocks.num_free_blocks,
-        num_total_kv_blocks=engine.plan.num_blocks,
-        num_free_state_slots=sched.slots.num_free_slots,
-        num_total_state_slots=engine.plan.num_slots,
-    )
-
-
-# How often a stream waiting for its next update checks that its RPC is still alive.
-_LIVENESS_CHECK_S = 1.0
-
-
-def stream_deltas(
-    rid: str,
-    updates: queue.Queue[RequestUpdate],
-    on_finish: Callable[[], None],
-    context: grpc.ServicerContext,
-    state_wait_s: float = 0.0,
-) -> Iterator[decode_pb2.TokenDelta]:
-    """One TokenDelta per engine update until the finishing one; `on_finish` runs just before it.
-
-    Ends quietly once the RPC is no longer active (the client cancelled, the server stopped):
-    an aborted request sends no further update, and a handler left waiting for one would hold
-    a server thread for ever.
-    """
-    num_generated = 1  # the prefill's first token
-    first = True
-    while True:
-        try:
-            update = updates.get(timeout=_LIVENESS_CHECK_S)
-        except queue.Empty:
-            if not context.is_active():
-                return
-            continue
-        num_generated += len(update.new_token_ids)
-        delta = decode_pb2.TokenDelta(
-            request_id=rid,
-            token_ids=update.new_token_ids,
-            logprobs=[logprobs_to_proto(lp) for lp in update.new_logprobs],
-            finish_reason=FINISH_TO_PROTO[update.finish_reason if update.finished else None],
-            num_generated_tokens=num_generated,
-            timing=decode_pb2.DecodeTiming(
-                emit_unix_s=time.time(), state_wait_s=state_wait_s if first else 0.0
-            ),
-        )
-        first = False
-        if update.finished:
-            if isinstance(update.stop_reason, int):
-                delta.stop_token_id = update.stop_reason
-            on_finish()
-        yield delta
-        if update.finished:
-            return

@@ -19,7 +19,7 @@ DEFAULT_CLASSES = {
     "store": ("state_store.actor", "StateStoreActor"),
     "prefill": ("prefill_worker.actor", "PrefillWorkerActor"),
     "decode": ("decode_worker.actor", "DecodeWorkerActor"),
-    "colocated": ("decode_worker.colocated", "ColocatedWorkerActor"),
+    "colocated": ("colocated_worker.actor", "ColocatedWorkerActor"),
     "gateway": ("frontend.actor", "GatewayActor"),
     "gateway_settings": ("frontend.settings", "GatewaySettings"),
 }

@@ -11,9 +11,8 @@ import grpc
 
 from prefill_worker.state_writer import NoStateWriter, StateWriter
 from splitserve.engine.engine_loop import EngineLoop
-from splitserve.engine.llm_engine import HANDOFF, LLMEngine, RequestUpdate
-from splitserve.grpc_server import abort
-from splitserve.rpc import make_channel
+from splitserve.engine.llm_engine import HANDOFF, RequestUpdate
+from splitserve.rpc import abort, make_channel
 from splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc, store_pb2_grpc
 from splitserve.wire import FINISH_TO_PROTO, logprobs_to_proto, sampling_params_from_proto
 
@@ -29,7 +28,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.request_timeout_s = request_timeout_s
         self._stubs: dict[str, store_pb2_grpc.StateStoreStub] = {}
         self._lock = threading.Lock()
-        self._num_prompt_tokens = 0
 
     def _store(self, address: str) -> store_pb2_grpc.StateStoreStub:
         with self._lock:
@@ -95,7 +93,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         put_s = time.time() - put_started
         stream_s = writer.stream_s()
         req = update.request
-        self._num_prompt_tokens += req.num_prompt_tokens
         reason = None if req.finish_reason == HANDOFF else req.finish_reason
         if req.finish_reason == "abort":
             abort(context, grpc.StatusCode.CANCELLED, f"request {rid} was aborted")
@@ -140,22 +137,3 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         found = self.loop.call(lambda e: rid in e.requests).result()
         self._abort(rid)
         return prefill_pb2.AbortPrefillResponse(found=found)
-
-    def Stats(
-        self, request: prefill_pb2.PrefillStatsRequest, context: grpc.ServicerContext
-    ) -> prefill_pb2.PrefillStats:
-        total = self._num_prompt_tokens
-        return self.loop.call(lambda e: prefill_stats(e, total)).result(timeout=10)
-
-
-def prefill_stats(engine: LLMEngine, num_prompt_tokens: int = 0) -> prefill_pb2.PrefillStats:
-    """Load as the router reads it: queued requests and prompt tokens not yet computed."""
-    sched = engine.scheduler
-    waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in [*sched.waiting, *sched.running])
-    return prefill_pb2.PrefillStats(
-        num_waiting_requests=len(sched.waiting),
-        num_running_requests=len(sched.running),
-        num_waiting_tokens=waiting_tokens,
-        max_num_batched_tokens=engine.config.max_num_batched_tokens,
-        num_prompt_tokens=num_prompt_tokens,
-    )

@@ -8,14 +8,16 @@ channels are opened. State chunks stay under gRPC's 4 MiB default regardless of 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent import futures
+from typing import NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 MAX_MESSAGE_BYTES = 64 << 20  # large prompts' token ids; state never comes near it
 DEFAULT_MAX_WORKERS = 64  # streaming Gets park a thread each while they wait for state
+WORKER_MAX_THREADS = 128  # each in-flight Prefill or Decode stream parks one thread
 
 Options = list[tuple[str, int]]
 
@@ -78,6 +80,24 @@ def add_health(server: grpc.Server, service_names: Iterable[str] = ()) -> health
     for name in ("", *service_names):
         servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return servicer
+
+
+def start_server(
+    register: Callable[[grpc.Server], None], host: str, port: int, max_workers: int = WORKER_MAX_THREADS
+) -> tuple[grpc.Server, str, health.HealthServicer]:
+    """Start a server with `register`'s services and grpc.health.v1; returns (server, "host:port", health)."""
+    server = make_server(max_workers=max_workers)
+    register(server)
+    health_servicer = add_health(server)
+    bound = bind(server, host, port)
+    server.start()
+    return server, format_address(host, bound), health_servicer
+
+
+def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    """`context.abort`, typed as never returning (it raises to end the RPC)."""
+    context.abort(code, message)
+    raise AssertionError("unreachable: context.abort raises")
 
 
 def make_channel(address: str, max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.Channel:

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, KimiLinearForCausalLM
 
-from splitserve import cli
+from cli import main as cli
 from splitserve.default_model import DEFAULT_MODEL_NAME, default_model_path
 from splitserve.tiny_model import PRESETS, make_tiny_model, num_checkpoint_elements
 from splitserve.tokenizer_files import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, build_tokenizer
@@ -212,8 +212,8 @@ def test_default_model_path_refuses_a_foreign_folder(tmp_path: Path, monkeypatch
 
 def test_cli_and_default_model_import_and_parse_without_torch() -> None:
     code = (
-        "import sys; import splitserve.cli, splitserve.default_model, splitserve.tokenizer_files; "
-        "splitserve.cli.build_parser(); sys.exit('torch' in sys.modules)"
+        "import sys; import cli.main, splitserve.default_model, splitserve.tokenizer_files; "
+        "cli.main.build_parser(); sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 

@@ -76,23 +76,3 @@ class AbortPrefillResponse(_message.Message):
     FOUND_FIELD_NUMBER: _ClassVar[int]
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
-
-class PrefillStatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class PrefillStats(_message.Message):
-    __slots__ = ("num_waiting_requests", "num_running_requests", "num_waiting_tokens", "max_num_batched_tokens", "num_prefix_hit_tokens", "num_prompt_tokens")
-    NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
-    NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
-    NUM_WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    NUM_PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    num_waiting_requests: int
-    num_running_requests: int
-    num_waiting_tokens: int
-    max_num_batched_tokens: int
-    num_prefix_hit_tokens: int
-    num_prompt_tokens: int
-    def __init__(self, num_waiting_requests: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...

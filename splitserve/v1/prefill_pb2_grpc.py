@@ -45,11 +45,6 @@ class PrefillStub:
                 request_serializer=splitserve_dot_v1_dot_prefill__pb2.AbortPrefillRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_prefill__pb2.AbortPrefillResponse.FromString,
                 _registered_method=True)
-        self.Stats = channel.unary_unary(
-                '/splitserve.v1.Prefill/Stats',
-                request_serializer=splitserve_dot_v1_dot_prefill__pb2.PrefillStatsRequest.SerializeToString,
-                response_deserializer=splitserve_dot_v1_dot_prefill__pb2.PrefillStats.FromString,
-                _registered_method=True)
 
 
 class PrefillServicer:
@@ -71,12 +66,6 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Stats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,11 +78,6 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=splitserve_dot_v1_dot_prefill__pb2.AbortPrefillRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_prefill__pb2.AbortPrefillResponse.SerializeToString,
-            ),
-            'Stats': grpc.unary_unary_rpc_method_handler(
-                    servicer.Stats,
-                    request_deserializer=splitserve_dot_v1_dot_prefill__pb2.PrefillStatsRequest.FromString,
-                    response_serializer=splitserve_dot_v1_dot_prefill__pb2.PrefillStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -151,33 +135,6 @@ class Prefill:
             '/splitserve.v1.Prefill/Abort',
             splitserve_dot_v1_dot_prefill__pb2.AbortPrefillRequest.SerializeToString,
             splitserve_dot_v1_dot_prefill__pb2.AbortPrefillResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Stats(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/splitserve.v1.Prefill/Stats',
-            splitserve_dot_v1_dot_prefill__pb2.PrefillStatsRequest.SerializeToString,
-            splitserve_dot_v1_dot_prefill__pb2.PrefillStats.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from splitserve.bench.arrivals import arrival_offsets
+from bench.arrivals import arrival_offsets
 
 
 def test_an_infinite_rate_sends_everything_at_the_start():

@@ -1,4 +1,4 @@
-"""`splitserve bench compare` through `splitserve.cli.main`, each "deployment" a fake OpenAI server
+"""`splitserve bench compare` through `cli.main.main`, each "deployment" a fake OpenAI server
 started and stopped by a fake launcher: the order of starts and stops, identical workloads,
 failures reported while the others still run, Ctrl-C, labels."""
 
@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from splitserve.bench import compare
-from splitserve.bench.compare import deployment_labels
-from splitserve.bench.deployments import DeploymentStartError
-from splitserve.bench.result import BenchmarkResult
-from splitserve.cli import main
+from bench import compare
+from bench.compare import deployment_labels
+from bench.deployments import DeploymentStartError
+from bench.result import BenchmarkResult
+from cli.main import main
 from splitserve.config import ClusterConfig
 from tests.bench.fake_server import FakeOpenAI, serving
 

@@ -16,10 +16,10 @@ import pytest
 import ray
 import yaml
 
-from splitserve.bench import compare
-from splitserve.bench.deployments import DeploymentStartError, RayLauncher, RunningDeployment
-from splitserve.bench.result import BenchmarkResult
-from splitserve.cli import main
+from bench import compare
+from bench.deployments import DeploymentStartError, RayLauncher, RunningDeployment
+from bench.result import BenchmarkResult
+from cli.main import main
 from splitserve.config import ClusterConfig
 from splitserve.tiny_model import make_tiny_model
 

@@ -7,12 +7,12 @@ import json
 import matplotlib.image
 import pytest
 
-from splitserve.bench.compare_output import comparison_text, write_comparison
-from splitserve.bench.compare_run import DeploymentOutcome
-from splitserve.bench.compare_table import ComparisonRow, comparison_rows, format_comparison
-from splitserve.bench.metrics import summarize
-from splitserve.bench.records import RequestRecord
-from splitserve.bench.result import BenchmarkResult
+from bench.compare_output import comparison_text, write_comparison
+from bench.compare_run import DeploymentOutcome
+from bench.compare_table import ComparisonRow, comparison_rows, format_comparison
+from bench.metrics import summarize
+from bench.records import RequestRecord
+from bench.result import BenchmarkResult
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 LATENCY_ROWS = [f"{m} {s} (ms)" for m in ("TTFT", "TPOT", "ITL", "E2EL") for s in ("mean", "median", "p90", "p99")]  # fmt: skip

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from splitserve.bench.datasets import Conversation, DatasetConfig, build_dataset
+from bench.datasets import Conversation, DatasetConfig, build_dataset
 
 RANDOM = DatasetConfig(
     name="random", num_prompts=40, random_input_len=60, random_output_len=20, random_range_ratio=0.5, seed=7

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from splitserve.bench.client import StreamResult
-from splitserve.bench.metrics import LatencyStats, meets_slos, parse_slos, summarize
-from splitserve.bench.records import RequestRecord, count_output_tokens
+from bench.client import StreamResult
+from bench.metrics import LatencyStats, meets_slos, parse_slos, summarize
+from bench.records import RequestRecord, count_output_tokens
 
 
 def record(

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from splitserve.bench.metrics import summarize
-from splitserve.bench.records import RequestRecord
-from splitserve.bench.report import format_summary
-from splitserve.bench.result import BenchmarkResult
+from bench.metrics import summarize
+from bench.records import RequestRecord
+from bench.report import format_summary
+from bench.result import BenchmarkResult
 
 RECORDS = (
     RequestRecord(

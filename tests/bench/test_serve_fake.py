@@ -1,4 +1,4 @@
-"""`splitserve bench serve` through `splitserve.cli.main`, against a fake OpenAI server."""
+"""`splitserve bench serve` through `cli.main.main`, against a fake OpenAI server."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import socket
 
 import pytest
 
-from splitserve.bench.datasets import DatasetConfig, build_dataset
-from splitserve.bench.result import BenchmarkResult
-from splitserve.cli import main
+from bench.datasets import DatasetConfig, build_dataset
+from bench.result import BenchmarkResult
+from cli.main import main
 from tests.bench.fake_server import FakeOpenAI, prompt_tokens, reply_words, serving
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from splitserve.bench.result import BenchmarkResult
-from splitserve.cli import main
+from bench.result import BenchmarkResult
+from cli.main import main
 from splitserve.tiny_model import make_tiny_model
 
 START_TIMEOUT_S = 300.0
@@ -53,7 +53,7 @@ def gateway_url(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> I
     config = _write_config(tmp_path_factory.mktemp("bench-live") / "up.yaml", model_path)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray
     proc = subprocess.Popen(
-        [sys.executable, "-m", "splitserve.cli", "up", "--config", str(config)],
+        [sys.executable, "-m", "cli.main", "up", "--config", str(config)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -9,13 +9,13 @@ import sys
 def test_the_bench_package_and_its_cli_never_import_torch():
     code = (
         "import sys\n"
-        "import splitserve.bench.runner, splitserve.bench.serve, splitserve.bench.cli, splitserve.bench.metrics\n"
-        "import splitserve.bench.datasets, splitserve.bench.report, splitserve.bench.tokenizer\n"
-        "import splitserve.bench.compare, splitserve.bench.compare_run, splitserve.bench.compare_output\n"
-        "import splitserve.bench.compare_table, splitserve.bench.plots, splitserve.bench.deployments\n"
-        "import splitserve.cli\n"
-        "splitserve.cli.build_parser().parse_args(['bench', 'serve', '--base-url', 'u', '--model', 'm'])\n"
-        "splitserve.cli.build_parser().parse_args(['bench', 'compare', '--config', 'c', '--output-dir', 'o'])\n"
+        "import bench.runner, bench.serve, bench.cli, bench.metrics\n"
+        "import bench.datasets, bench.report, bench.tokenizer\n"
+        "import bench.compare, bench.compare_run, bench.compare_output\n"
+        "import bench.compare_table, bench.plots, bench.deployments\n"
+        "import cli.main\n"
+        "cli.main.build_parser().parse_args(['bench', 'serve', '--base-url', 'u', '--model', 'm'])\n"
+        "cli.main.build_parser().parse_args(['bench', 'compare', '--config', 'c', '--output-dir', 'o'])\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         "assert 'ray' not in sys.modules, 'ray was imported'  # bench compare loads it only to start a deployment\n"
     )

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import ray
 
+from cli.main import main
 from deploy import serve
 from deploy.launcher import run_cluster
 from deploy.report import status_line, status_table
-from splitserve.cli import main
 from tests.deploy.fakes import FAKE_CLASSES, REGISTRY_NAME, REGISTRY_NAMESPACE, Registry
 from tests.deploy.helpers import is_dead, is_dead_controller, small_config
 
@@ -184,5 +184,5 @@ def test_status_without_a_deployment_says_so(ray_with_registry):
 
 def splitserve(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "splitserve.cli", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, timeout=120
     )

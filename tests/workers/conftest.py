@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from colocated_worker.actor import ColocatedWorkerActor
 from decode_worker.actor import DecodeWorkerActor
-from decode_worker.colocated import ColocatedWorkerActor
 from prefill_worker.actor import PrefillWorkerActor
 from splitserve.engine_config import EngineConfig
-from splitserve.grpc_server import start_server
+from splitserve.rpc import start_server
 from splitserve.tiny_model import make_tiny_model
 from splitserve.v1 import store_pb2_grpc
 from state_store.info import StoreConfig

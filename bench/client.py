@@ -1,0 +1,100 @@
+"""Sending one streaming request and timing every chunk of its server-sent events."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from bench.api import chunk_text, error_message
+
+_MAX_ERROR_CHARS = 1000
+
+
+@dataclass(frozen=True)
+class StreamResult:
+    """One streamed request as the client saw it; times are `time.perf_counter()` seconds.
+
+    `chunk_s` holds the arrival of every content-bearing chunk, `end_s` that of the stream's
+    end (`data: [DONE]`) or of the failure. `error` is empty exactly when the request succeeded:
+    an HTTP status other than 200, an error event, a broken connection, a stream that ends
+    without `[DONE]` or without any content all fail it.
+    """
+
+    send_s: float
+    end_s: float
+    chunk_s: tuple[float, ...] = ()
+    text: str = ""
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    error: str = ""
+
+    @property
+    def success(self) -> bool:
+        return not self.error
+
+
+async def stream_request(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], endpoint: str
+) -> StreamResult:
+    """POST `body` to `url` and read its event stream to the end; never raises for the server's faults."""
+    send_s = time.perf_counter()
+    chunk_s: list[float] = []
+    pieces: list[str] = []
+    usage: dict[str, Any] = {}
+
+    def result(error: str = "") -> StreamResult:
+        return StreamResult(
+            send_s=send_s,
+            end_s=time.perf_counter(),
+            chunk_s=tuple(chunk_s),
+            text="".join(pieces),
+            prompt_tokens=_int_or_none(usage.get("prompt_tokens")),
+            completion_tokens=_int_or_none(usage.get("completion_tokens")),
+            error=error[:_MAX_ERROR_CHARS],
+        )
+
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                raw = (await response.aread()).decode(errors="replace")
+                return result(
+                    f"HTTP {response.status_code}: {error_message(_json_or_none(raw), raw.strip())}"
+                )
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators, comments (keep-alives), event names
+                data = line[len("data:") :].strip()
+                if data == "[DONE]":
+                    if not chunk_s:
+                        return result("the stream ended without any content chunk")
+                    return result()
+                arrival_s = time.perf_counter()
+                event = _json_or_none(data)
+                if not isinstance(event, dict):
+                    return result(f"malformed stream event: {data[:200]}")
+                if "error" in event:
+                    return result(f"error event: {error_message(event, data)}")
+                text = chunk_text(endpoint, event)
+                if text is not None:
+                    chunk_s.append(arrival_s)
+                    pieces.append(text)
+                if isinstance(event.get("usage"), dict):
+                    usage = event["usage"]
+            return result("the stream ended without data: [DONE]")
+    except httpx.HTTPError as exc:
+        return result(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -1,0 +1,216 @@
+"""The command-line options `bench serve` and `bench compare` share, and the `RunConfig` they give.
+
+Each `add_*` function declares one group of options; `run_config_from_args` reads them back.
+Importing this module stays cheap: the runner (httpx, tqdm) loads inside `run_config_from_args`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from typing import TYPE_CHECKING, Any
+
+from bench.api import ENDPOINTS
+from bench.datasets.config import DATASET_NAMES, DatasetConfig
+
+if TYPE_CHECKING:
+    from bench.runner import RunConfig
+    from bench.tokenizer import BenchTokenizer
+
+_DEFAULTS = DatasetConfig()
+
+
+def add_request_options(
+    group: argparse._ArgumentGroup, *, tokenizer_default: str, api_key_default: str = "$OPENAI_API_KEY"
+) -> None:
+    """How each request is sent: --endpoint, --api-key, --tokenizer, --request-timeout-s, --extra-body.
+
+    `tokenizer_default` and `api_key_default` say in the help where those come from when not given.
+    """
+    group.add_argument(
+        "--endpoint",
+        choices=ENDPOINTS,
+        default="completions",
+        help="which OpenAI endpoint (default: completions)",
+    )
+    group.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help=f"bearer token (default: {api_key_default})",
+    )
+    group.add_argument(
+        "--tokenizer", default=None, help=f"folder with tokenizer.json (default: {tokenizer_default})"
+    )
+    group.add_argument(
+        "--request-timeout-s", type=float, default=6 * 3600.0, help="per-request timeout (default: 6 h)"
+    )
+    group.add_argument(
+        "--extra-body",
+        type=json.loads,
+        default={},
+        help="JSON merged into every request body, e.g. '{\"temperature\": 0}'",
+    )
+
+
+def add_load_options(parser: argparse.ArgumentParser) -> None:
+    """The "load" group: which dataset, how many, how fast, how many at once, the seed."""
+    load = parser.add_argument_group("load")
+    load.add_argument("--dataset", choices=DATASET_NAMES, default="random", help="workload (default: random)")
+    load.add_argument(
+        "--num-prompts", type=int, default=None, help="requests in the random dataset (default: 1000)"
+    )
+    load.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests (sessions for multi-turn) per second; inf sends all at once (default)",
+    )
+    load.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of the arrival gaps: 1 Poisson, <1 burstier (default: 1)",
+    )
+    load.add_argument(
+        "--max-concurrency", type=int, default=None, help="most requests in flight at once (default: no cap)"
+    )
+    load.add_argument(
+        "--seed", type=int, default=0, help="seed of the prompts, lengths and arrivals (default: 0)"
+    )
+    load.add_argument(
+        "--vocab-size",
+        type=int,
+        default=_DEFAULTS.vocab_size,
+        help="token-id prompts draw ids from [3, this) (default: %(default)s)",
+    )
+
+
+def add_report_options(group: argparse._ArgumentGroup) -> None:
+    """--goodput SLOs and --disable-tqdm (where the results go is each command's own option)."""
+    group.add_argument(
+        "--goodput",
+        nargs="+",
+        default=[],
+        metavar="METRIC:MS",
+        help="SLOs for goodput, e.g. ttft:200 tpot:50 e2el:5000",
+    )
+    group.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+
+def add_dataset_options(parser: argparse.ArgumentParser) -> None:
+    """One group per dataset: the random, shared-prefix and multi-turn sizes."""
+    d = _DEFAULTS
+    random = parser.add_argument_group("random dataset")
+    random.add_argument(
+        "--random-input-len",
+        type=int,
+        default=d.random_input_len,
+        help="prompt tokens (default: %(default)s)",
+    )
+    random.add_argument(
+        "--random-output-len",
+        type=int,
+        default=d.random_output_len,
+        help="output tokens (default: %(default)s)",
+    )
+    random.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=d.random_range_ratio,
+        help="lengths uniform in [L(1-r), L(1+r)] (default: %(default)s)",
+    )
+    random.add_argument(
+        "--random-prefix-len",
+        type=int,
+        default=d.random_prefix_len,
+        help="tokens of a prefix all prompts share, added to the input length (default: %(default)s)",
+    )
+
+    gsp = parser.add_argument_group("shared-prefix dataset (num-groups x prompts-per-group requests)")
+    gsp.add_argument(
+        "--gsp-num-groups",
+        type=int,
+        default=d.gsp_num_groups,
+        help="groups, one system prompt each (default: %(default)s)",
+    )
+    gsp.add_argument(
+        "--gsp-prompts-per-group",
+        type=int,
+        default=d.gsp_prompts_per_group,
+        help="questions per group (default: %(default)s)",
+    )
+    gsp.add_argument(
+        "--gsp-system-prompt-len",
+        type=int,
+        default=d.gsp_system_prompt_len,
+        help="system prompt tokens (default: %(default)s)",
+    )
+    gsp.add_argument(
+        "--gsp-question-len",
+        type=int,
+        default=d.gsp_question_len,
+        help="question tokens (default: %(default)s)",
+    )
+    gsp.add_argument(
+        "--gsp-output-len", type=int, default=d.gsp_output_len, help="output tokens (default: %(default)s)"
+    )
+
+    mt = parser.add_argument_group("multi-turn dataset (num-sessions x turns requests; needs a tokenizer)")
+    mt.add_argument(
+        "--mt-num-sessions",
+        type=int,
+        default=d.mt_num_sessions,
+        help="concurrent conversations (default: %(default)s)",
+    )
+    mt.add_argument(
+        "--mt-turns", type=int, default=d.mt_turns, help="user turns per conversation (default: %(default)s)"
+    )
+    mt.add_argument(
+        "--mt-user-len",
+        type=int,
+        default=d.mt_user_len,
+        help="tokens of each user message (default: %(default)s)",
+    )
+    mt.add_argument(
+        "--mt-output-len",
+        type=int,
+        default=d.mt_output_len,
+        help="output tokens of each reply (default: %(default)s)",
+    )
+
+
+def run_config_from_args(args: argparse.Namespace, *, base_url: str, model: str) -> RunConfig:
+    """The `RunConfig` the request, load and report options describe; ValueError on bad ones."""
+    from bench.metrics import parse_slos
+    from bench.runner import RunConfig
+
+    return RunConfig(
+        base_url=base_url,
+        model=model,
+        endpoint=args.endpoint,
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        seed=args.seed,
+        slos_ms=parse_slos(args.goodput),
+        api_key=args.api_key,
+        request_timeout_s=args.request_timeout_s,
+        extra_body=args.extra_body,
+        disable_tqdm=args.disable_tqdm,
+    )
+
+
+def check_chat_tokenizer(endpoint: str, tokenizer: BenchTokenizer | None) -> None:
+    """Raise ValueError when the chat endpoint is asked for without a tokenizer to write text."""
+    if endpoint == "chat" and tokenizer is None:
+        raise ValueError(
+            "--endpoint chat sends text, which needs a tokenizer: pass --tokenizer PATH "
+            "(a folder with tokenizer.json), or a local --model folder that has one"
+        )
+
+
+def recorded_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """The parsed arguments as a result keeps them: everything but the API key and callables."""
+    return {k: v for k, v in vars(args).items() if k != "api_key" and not callable(v)}

@@ -1,0 +1,147 @@
+"""The colocated servicer (`mode: colocated`): Prefill and Decode services on one engine.
+
+The gateway drives the same Reserve → Prefill → Decode flow, but no state moves: Prefill runs
+an ordinary request and returns its first token, and Decode streams the rest of that same
+request from the engine. This is the baseline disaggregation is measured against.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from splitserve.engine.llm_engine import RequestUpdate
+from splitserve.rpc import abort
+from splitserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from splitserve.wire import FINISH_TO_PROTO, logprobs_to_proto, sampling_params_from_proto
+from splitserve.worker.load import decode_stats
+from splitserve.worker.token_stream import stream_deltas
+
+
+class _Stream:
+    """Updates of one request, from its first token on; Decode drains it."""
+
+    def __init__(self) -> None:
+        self.updates: queue.Queue[RequestUpdate] = queue.Queue()
+        self.first = threading.Event()
+        self.first_update: RequestUpdate | None = None
+
+    def push(self, update: RequestUpdate) -> None:
+        if self.first_update is None:
+            self.first_update = update
+            self.first.set()
+        else:
+            self.updates.put(update)
+
+
+class ColocatedServicer(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServicer):
+    """Owns the per-request update streams between a Prefill call and its Decode call."""
+
+    def __init__(self, loop, worker_id: str, request_timeout_s: float = 300.0) -> None:  # type: ignore[no-untyped-def]
+        self.loop = loop
+        self.worker_id = worker_id
+        self.request_timeout_s = request_timeout_s
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+
+    def Reserve(
+        self, request: decode_pb2.ReserveRequest, context: grpc.ServicerContext
+    ) -> decode_pb2.ReserveResponse:
+        has_room = self.loop.call(lambda e: e.scheduler.num_seqs < e.config.max_num_seqs).result(timeout=30)
+        if not has_room:
+            return decode_pb2.ReserveResponse(
+                accepted=False, reject_reason="max_num_seqs requests already running"
+            )
+        return decode_pb2.ReserveResponse(
+            accepted=True, state_key=request.request_id, state_owner=self.worker_id
+        )
+
+    def Prefill(
+        self, request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext
+    ) -> prefill_pb2.PrefillResponse:
+        rid = request.request_id
+        try:
+            params = sampling_params_from_proto(request.sampling_params)
+        except ValueError as exc:
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        stream = _Stream()
+        with self._lock:
+            self._streams[rid] = stream
+        self.loop.watch(rid, stream.push)
+        prompt = list(request.prompt_token_ids)
+        started = time.time()
+        try:
+            self.loop.call(lambda e: e.add_request(rid, prompt, params)).result(timeout=30)
+        except ValueError as exc:
+            self._forget(rid)
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not stream.first.wait(self.request_timeout_s) or stream.first_update is None:
+            self._abort(rid)
+            abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {rid} did not finish in time")
+        update = stream.first_update
+        req = update.request
+        finished = update.finished
+        if finished:
+            self._forget(rid)
+        if update.finish_reason == "abort":
+            abort(context, grpc.StatusCode.CANCELLED, f"request {rid} was aborted")
+        response = prefill_pb2.PrefillResponse(
+            request_id=rid,
+            first_token_id=update.new_token_ids[0],
+            finish_reason=FINISH_TO_PROTO[update.finish_reason if finished else None],
+            num_prompt_tokens=req.num_prompt_tokens,
+            timing=prefill_pb2.PrefillTiming(prefill_s=time.time() - started),
+        )
+        if update.new_logprobs:
+            response.first_logprobs.CopyFrom(logprobs_to_proto(update.new_logprobs[0]))
+        if finished and isinstance(update.stop_reason, int):
+            response.stop_token_id = update.stop_reason
+        if not finished:
+            response.state.key = rid
+            response.state.owner = self.worker_id
+        return response
+
+    def Decode(
+        self, request: decode_pb2.DecodeRequest, context: grpc.ServicerContext
+    ) -> Iterator[decode_pb2.TokenDelta]:
+        rid = request.request_id
+        with self._lock:
+            stream = self._streams.get(rid)
+        if stream is None:
+            abort(
+                context, grpc.StatusCode.NOT_FOUND, f"request {rid!r} is not running here; call Prefill first"
+            )
+        done = threading.Event()
+        context.add_callback(lambda: None if done.is_set() else self._abort(rid))
+
+        def finish() -> None:
+            done.set()
+            self._forget(rid)
+
+        yield from stream_deltas(rid, stream.updates, finish, context)
+
+    def _forget(self, rid: str) -> None:
+        with self._lock:
+            self._streams.pop(rid, None)
+        self.loop.unwatch(rid)
+
+    def _abort(self, rid: str) -> None:
+        self._forget(rid)
+        self.loop.call(lambda e: e.abort_request(rid))
+
+    def Abort(self, request, context):  # type: ignore[no-untyped-def]
+        rid = request.request_id
+        found = self.loop.call(lambda e: rid in e.requests).result(timeout=30)
+        self._abort(rid)
+        if isinstance(request, prefill_pb2.AbortPrefillRequest):
+            return prefill_pb2.AbortPrefillResponse(found=found)
+        return decode_pb2.AbortDecodeResponse(found=found)
+
+    def Stats(
+        self, request: decode_pb2.DecodeStatsRequest, context: grpc.ServicerContext
+    ) -> decode_pb2.DecodeStats:
+        return self.loop.call(decode_stats).result(timeout=10)
