@@ -10,7 +10,7 @@ import argparse
 
 from bench.compare import add_compare_arguments, run_compare
 from bench.serve import add_serve_arguments, run_serve
-from cli.main import Command
+from cli.main import Command, add_subcommands
 
 SUBCOMMANDS: dict[str, Command] = {
     "serve": Command(
@@ -28,10 +28,7 @@ SUBCOMMANDS: dict[str, Command] = {
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """One subparser per entry of `SUBCOMMANDS`."""
-    subparsers = parser.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
-    for name, command in SUBCOMMANDS.items():
-        subparser = subparsers.add_parser(name, help=command.help, description=command.help)
-        command.add_arguments(subparser)
+    add_subcommands(parser, SUBCOMMANDS, dest="bench_command", metavar="BENCHMARK")
 
 
 def run_bench(args: argparse.Namespace) -> int:

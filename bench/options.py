@@ -99,86 +99,47 @@ def add_report_options(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
+# Per dataset: its argument group's title, then (flag, type, help) for each of its sizes; each
+# default is the DatasetConfig field the flag names.
+_DATASET_OPTIONS: tuple[tuple[str, tuple[tuple[str, type, str], ...]], ...] = (
+    (
+        "random dataset",
+        (
+            ("--random-input-len", int, "prompt tokens"),
+            ("--random-output-len", int, "output tokens"),
+            ("--random-range-ratio", float, "lengths uniform in [L(1-r), L(1+r)]"),
+            ("--random-prefix-len", int, "tokens of a prefix all prompts share, added to the input length"),
+        ),
+    ),
+    (
+        "shared-prefix dataset (num-groups x prompts-per-group requests)",
+        (
+            ("--gsp-num-groups", int, "groups, one system prompt each"),
+            ("--gsp-prompts-per-group", int, "questions per group"),
+            ("--gsp-system-prompt-len", int, "system prompt tokens"),
+            ("--gsp-question-len", int, "question tokens"),
+            ("--gsp-output-len", int, "output tokens"),
+        ),
+    ),
+    (
+        "multi-turn dataset (num-sessions x turns requests; needs a tokenizer)",
+        (
+            ("--mt-num-sessions", int, "concurrent conversations"),
+            ("--mt-turns", int, "user turns per conversation"),
+            ("--mt-user-len", int, "tokens of each user message"),
+            ("--mt-output-len", int, "output tokens of each reply"),
+        ),
+    ),
+)
+
+
 def add_dataset_options(parser: argparse.ArgumentParser) -> None:
     """One group per dataset: the random, shared-prefix and multi-turn sizes."""
-    d = _DEFAULTS
-    random = parser.add_argument_group("random dataset")
-    random.add_argument(
-        "--random-input-len",
-        type=int,
-        default=d.random_input_len,
-        help="prompt tokens (default: %(default)s)",
-    )
-    random.add_argument(
-        "--random-output-len",
-        type=int,
-        default=d.random_output_len,
-        help="output tokens (default: %(default)s)",
-    )
-    random.add_argument(
-        "--random-range-ratio",
-        type=float,
-        default=d.random_range_ratio,
-        help="lengths uniform in [L(1-r), L(1+r)] (default: %(default)s)",
-    )
-    random.add_argument(
-        "--random-prefix-len",
-        type=int,
-        default=d.random_prefix_len,
-        help="tokens of a prefix all prompts share, added to the input length (default: %(default)s)",
-    )
-
-    gsp = parser.add_argument_group("shared-prefix dataset (num-groups x prompts-per-group requests)")
-    gsp.add_argument(
-        "--gsp-num-groups",
-        type=int,
-        default=d.gsp_num_groups,
-        help="groups, one system prompt each (default: %(default)s)",
-    )
-    gsp.add_argument(
-        "--gsp-prompts-per-group",
-        type=int,
-        default=d.gsp_prompts_per_group,
-        help="questions per group (default: %(default)s)",
-    )
-    gsp.add_argument(
-        "--gsp-system-prompt-len",
-        type=int,
-        default=d.gsp_system_prompt_len,
-        help="system prompt tokens (default: %(default)s)",
-    )
-    gsp.add_argument(
-        "--gsp-question-len",
-        type=int,
-        default=d.gsp_question_len,
-        help="question tokens (default: %(default)s)",
-    )
-    gsp.add_argument(
-        "--gsp-output-len", type=int, default=d.gsp_output_len, help="output tokens (default: %(default)s)"
-    )
-
-    mt = parser.add_argument_group("multi-turn dataset (num-sessions x turns requests; needs a tokenizer)")
-    mt.add_argument(
-        "--mt-num-sessions",
-        type=int,
-        default=d.mt_num_sessions,
-        help="concurrent conversations (default: %(default)s)",
-    )
-    mt.add_argument(
-        "--mt-turns", type=int, default=d.mt_turns, help="user turns per conversation (default: %(default)s)"
-    )
-    mt.add_argument(
-        "--mt-user-len",
-        type=int,
-        default=d.mt_user_len,
-        help="tokens of each user message (default: %(default)s)",
-    )
-    mt.add_argument(
-        "--mt-output-len",
-        type=int,
-        default=d.mt_output_len,
-        help="output tokens of each reply (default: %(default)s)",
-    )
+    for title, options in _DATASET_OPTIONS:
+        group = parser.add_argument_group(title)
+        for flag, kind, help_text in options:
+            default = getattr(_DEFAULTS, flag.removeprefix("--").replace("-", "_"))
+            group.add_argument(flag, type=kind, default=default, help=f"{help_text} (default: %(default)s)")
 
 
 def run_config_from_args(args: argparse.Namespace, *, base_url: str, model: str) -> RunConfig:

@@ -213,11 +213,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="splitserve", description="Disaggregated serving for Kimi Linear models."
     )
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, command in COMMANDS.items():
+    add_subcommands(parser, COMMANDS, dest="command", metavar="COMMAND")
+    return parser
+
+
+def add_subcommands(
+    parser: argparse.ArgumentParser, commands: dict[str, Command], *, dest: str, metavar: str
+) -> None:
+    """One required subparser per entry of `commands`, its name stored in `args.<dest>`."""
+    subparsers = parser.add_subparsers(dest=dest, metavar=metavar, required=True)
+    for name, command in commands.items():
         subparser = subparsers.add_parser(name, help=command.help, description=command.help)
         command.add_arguments(subparser)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
