@@ -236,7 +236,6 @@ def completion(url: str) -> str:
 
 def test_the_real_deployment_serves_a_completion_before_and_after_a_decode_restart():
     """Every actor real (the gateway too): a killed decode worker is replaced and serving resumes."""
-    pytest.importorskip("frontend.actor")
     config = small_config(
         model={"path": None, "name": None},
         prefill={"kv_cache_memory_bytes": "16MiB"},

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import ray
 
 from frontend.actor import remote_gateway_actor
 from frontend.settings import GatewaySettings
@@ -16,7 +17,6 @@ from tests.frontend.fakes import FakeDecode, FakePrefill, FakeWorkerServer
 
 @pytest.fixture(scope="module")
 def ray_local() -> Iterator[None]:
-    ray = pytest.importorskip("ray")
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         yield
@@ -29,14 +29,10 @@ def _torch_loaded(actor: object) -> bool:
 
 
 def _assigned_resources(actor: object) -> dict[str, float]:
-    import ray
-
     return ray.get_runtime_context().get_assigned_resources()
 
 
 def test_gateway_actor_serves_without_torch_or_gpu(ray_local, tiny_model_path, script):
-    import ray
-
     servers = [FakeWorkerServer(FakePrefill(script)), FakeWorkerServer(FakeDecode(script))]
     settings = GatewaySettings(model_name=MODEL, model_path=str(tiny_model_path), max_model_len=256)
     actor_class = remote_gateway_actor(num_cpus=0.25)
