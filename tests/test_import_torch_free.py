@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from tests.python_process import run_python
 
 
 def test_core_package_imports_without_torch():
@@ -13,11 +12,9 @@ def test_core_package_imports_without_torch():
         "import splitserve.detokenizer, splitserve.outputs, cli.main, splitserve.engine.model_config\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
+    run_python(code)
 
 
 def test_llm_attribute_loads_the_engine_lazily():
     code = "import sys, splitserve\nassert 'torch' not in sys.modules\nsplitserve.LLM\nassert 'torch' in sys.modules\n"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
+    run_python(code)

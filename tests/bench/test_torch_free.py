@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from tests.python_process import run_python
 
 
 def test_the_bench_package_and_its_cli_never_import_torch():
@@ -19,5 +18,4 @@ def test_the_bench_package_and_its_cli_never_import_torch():
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         "assert 'ray' not in sys.modules, 'ray was imported'  # bench compare loads it only to start a deployment\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
+    run_python(code)

@@ -15,22 +15,9 @@ from frontend.router import LeastLoadRouter
 from frontend.server import GatewayServer
 from frontend.settings import GatewaySettings
 from splitserve.tokenizer import Tokenizer
-from splitserve.tokenizer_files import EOS_TOKEN, write_tokenizer_files
+from splitserve.tokenizer_files import EOS_TOKEN
 
 MODEL = "instant"
-
-
-@pytest.fixture(scope="session")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model's tokenizer files alone (no weights, no torch)."""
-    path = tmp_path_factory.mktemp("instant-tokenizer")
-    write_tokenizer_files(path)
-    return path
-
-
-@pytest.fixture(scope="session")
-def tokenizer(tokenizer_dir: Path) -> Tokenizer:
-    return Tokenizer(tokenizer_dir)
 
 
 @dataclass(frozen=True)

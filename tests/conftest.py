@@ -1,3 +1,5 @@
+"""Fixtures every test package may use: the tiny model's tokenizer files alone (no weights, no torch)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,8 +12,8 @@ from splitserve.tokenizer_files import write_tokenizer_files
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model's tokenizer files alone (no weights, no torch)."""
-    path = tmp_path_factory.mktemp("bench-tokenizer")
+    """A folder with the tiny model's tokenizer.json and chat template."""
+    path = tmp_path_factory.mktemp("tokenizer")
     write_tokenizer_files(path)
     return path
 
