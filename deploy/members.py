@@ -25,6 +25,7 @@ class Member:
     bundle_index: int = 0
     handle: Any = None  # ray.actor.ActorHandle
     address: str | None = None
+    pid: int | None = None  # of the actor's process, once it started
     healthy: bool = False
     restarts: int = 0
     given_up: bool = False  # dead after max_restarts restarts; left down
@@ -32,11 +33,15 @@ class Member:
     stats: dict[str, Any] = field(default_factory=dict)
 
     def row(self, node_ips: dict[str, str]) -> dict[str, Any]:
+        """This actor in `status()`: see "Status as JSON" in deploy/README.md for each field."""
         return {
             "kind": self.kind,
+            "pool": self.pool,
             "index": self.index,
             "address": self.address,
+            "node_id": self.node_id,
             "node_ip": node_ips.get(self.node_id or ""),
+            "pid": self.pid,
             "healthy": self.healthy,
             "restarts": self.restarts,
             "given_up": self.given_up,
@@ -78,6 +83,29 @@ class Pool:
             "load": sum_numeric([m.stats for m in self.members]),
             "workers": rows,
         }
+
+
+@dataclass
+class Roster:
+    """Every actor one deployment owns right now: the pools' workers, a store per node, the gateway.
+
+    Plain records; the controller and its helpers (starter, health watcher, publisher) change
+    them only under the controller's lock.
+    """
+
+    pools: dict[str, Pool] = field(default_factory=dict)
+    stores: dict[str, Member] = field(default_factory=dict)  # node id -> that node's store
+    gateway: Member | None = None
+
+    def workers(self) -> list[Member]:
+        return [m for pool in self.pools.values() for m in pool.members]
+
+    def members(self) -> list[Member]:
+        """Everything, in the order a health pass restarts it: stores, workers, gateway."""
+        return [*self.stores.values(), *self.workers(), *([self.gateway] if self.gateway else [])]
+
+    def workers_on(self, node_id: str | None) -> list[Member]:
+        return [m for m in self.workers() if m.node_id == node_id]
 
 
 def bundle_of(section: PoolConfig) -> dict[str, float]:

@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 import ray
-from ray.util.placement_group import placement_group_table
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
+from deploy.controller import PlacementError
 from deploy.launcher import ClusterError, ClusterHandle, run_cluster
 from tests.deploy.fakes import FAKE_CLASSES, REGISTRY_NAME, REGISTRY_NAMESPACE, FailingPrefill, Registry
 from tests.deploy.helpers import is_dead, is_dead_controller, small_config, wait_until
@@ -170,12 +171,67 @@ def test_colocated_mode_starts_colocated_workers_for_both_phases(registry):
         assert events(registry, "update_workers")[-1] == ("update_workers", addresses, addresses)
 
 
-def test_a_cluster_too_small_for_the_config_fails_naming_the_pool_and_leaves_nothing(registry):
-    config = small_config(prefill={"num_cpus": 8}, health={"start_timeout_s": 1})
-    with pytest.raises(ClusterError, match=r"pool 'prefill': could not reserve 1 x \{'CPU': 8.0\}"):
+def test_a_bundle_no_node_can_hold_fails_at_once_naming_the_pool_and_leaves_nothing(registry):
+    # start_timeout_s stays 30: a placement wait would end in "could not reserve ... within 30 s".
+    config = small_config(prefill={"num_cpus": 8})
+    with pytest.raises(
+        ClusterError, match=r"pool 'prefill': cannot reserve 1 x \{'CPU': 8.0\} \(PACK\): no node"
+    ):
         run_cluster(config, actor_classes=FAKE_CLASSES)
     assert is_dead_controller()
     assert live_groups() == []
+    assert events(registry, "start") == []
+
+
+def test_pools_that_together_exceed_the_cluster_fail_at_once_naming_the_pool_that_does_not_fit(registry):
+    config = small_config(prefill={"replicas": 3})  # 3 x 0.5 + 0.5 + store 0.25 + gateway 0.25 CPUs > 2
+    message = (
+        r"pool 'decode': cannot reserve 1 x \{'CPU': 0.5\} \(PACK\): they need CPU 0.5, and the Ray "
+        r"cluster has CPU 2 in all, of which the rest of this deployment takes 2 "
+    )
+    with pytest.raises(ClusterError, match=message):
+        run_cluster(config, actor_classes=FAKE_CLASSES)
+    assert is_dead_controller() and live_groups() == []
+
+
+def test_strict_spread_over_more_replicas_than_nodes_fails_at_once(registry):
+    config = small_config(prefill={"replicas": 2, "placement": "STRICT_SPREAD"})
+    with pytest.raises(
+        ClusterError, match="STRICT_SPREAD needs 2 nodes with room for one each; the cluster has 1"
+    ):
+        run_cluster(config, actor_classes=FAKE_CLASSES)
+    assert is_dead_controller() and live_groups() == []
+
+
+def test_resources_held_by_others_are_waited_for_then_the_placement_times_out_naming_the_pool(registry):
+    hog = placement_group([{"CPU": 2}])  # not this deployment's: it might be freed, so start waits
+    ray.get(hog.ready(), timeout=30)
+    try:
+        config = small_config(health={"start_timeout_s": 1})
+        message = (
+            r"pool 'prefill': could not reserve 1 x \{'CPU': 0.5\} \(PACK\) within 1 s; "
+            r"the Ray cluster has CPU 2 in all, 0 free"
+        )
+        with pytest.raises(ClusterError, match=message):
+            run_cluster(config, actor_classes=FAKE_CLASSES)
+    finally:
+        remove_placement_group(hog)
+    assert is_dead_controller()
+    assert live_groups() == []
+
+
+def test_resize_beyond_the_cluster_fails_at_once_and_changes_nothing(cluster, registry):
+    # 1.5 of the 2 CPUs are taken (prefill, decode 0.5 each, store, gateway 0.25 each).
+    message = (
+        r"pool 'prefill': cannot reserve 2 x \{'CPU': 0.5\} \(PACK\): they need CPU 1, and the Ray "
+        r"cluster has CPU 2 in all, of which the rest of this deployment takes 1.5 \(free now: 0.5\)"
+    )
+    with pytest.raises(PlacementError, match=message):
+        cluster.resize("prefill", 3)
+    status = cluster.status()
+    assert status["healthy"] and status["pools"]["prefill"]["replicas"] == 1
+    assert len(live_groups()) == 2
+    assert [e[1] for e in events(registry, "start")].count("prefill") == 1
 
 
 def test_a_second_deployment_in_the_same_ray_cluster_is_refused(cluster):

@@ -1,0 +1,98 @@
+"""Watching the deployment's actors: a probe per actor per pass, restarts for the failed ones."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import ray
+
+from deploy.actors import says_healthy
+from deploy.calls import call, cause
+from deploy.members import Member, Roster
+from deploy.publisher import WorkerPublisher
+from deploy.starter import ActorStarter
+from splitserve.config import HealthConfig
+
+logger = logging.getLogger("splitserve.deploy")
+
+
+class HealthWatcher:
+    """Every `interval_s` probes each actor (`health()`, then `stats()`), each call allowed
+    `timeout_s`; an actor that is dead, fails a call or does not answer in time is killed and
+    started again in its own place, at most `max_restarts` times (then it is left down, "given
+    up"), and the gateway hears the new addresses. A probe's answers become the member's
+    `stats`. Restarts go stores first, then workers, then the gateway.
+    """
+
+    def __init__(
+        self, config: HealthConfig, roster: Roster, starter: ActorStarter, publisher: WorkerPublisher
+    ) -> None:
+        self._config = config
+        self._roster = roster
+        self._starter = starter
+        self._publisher = publisher
+        self.stopped = False
+
+    async def watch(self, lock: asyncio.Lock) -> None:
+        """Run a pass every `interval_s` under `lock` until `stopped` (or cancelled)."""
+        while not self.stopped:
+            await asyncio.sleep(self._config.interval_s)
+            async with lock:
+                if self.stopped:
+                    return
+                try:
+                    await self.check_once()
+                except Exception:  # the loop must outlive any one bad pass
+                    logger.exception("health pass failed")
+
+    async def check_once(self) -> None:
+        """Probe every actor at once; restart the failed ones; tell the gateway what changed."""
+        members = self._roster.members()
+        reasons = await asyncio.gather(*(self._probe(m) for m in members))
+        for member, reason in zip(members, reasons):
+            if reason is not None:
+                await self._restart(member, reason)
+        await self._publisher.publish()
+
+    async def _probe(self, member: Member) -> str | None:
+        """None if the actor answered `health()` with a truthy value; else what went wrong."""
+        if member.given_up:
+            return None
+        if member.handle is None:
+            return member.error or "not running"
+        timeout_s = self._config.timeout_s
+        try:
+            answer = await call(member.handle.health.remote(), timeout_s)
+            if not says_healthy(answer):
+                return f"health() returned {answer!r}"
+            if isinstance(answer, dict):  # a health report doubles as the actor's stats
+                member.stats = dict(answer)
+            if member.kind != "gateway":
+                member.stats = dict(await call(member.handle.stats.remote(), timeout_s) or {})
+        except asyncio.TimeoutError:
+            return f"no answer within {timeout_s:g} s"
+        except ray.exceptions.RayActorError:
+            return "actor died"
+        except Exception as exc:
+            return f"health check raised {type(exc).__name__}: {exc}"
+        return None
+
+    async def _restart(self, member: Member, reason: str) -> None:
+        member.healthy, member.error = False, reason
+        self._starter.kill(member)
+        if member.restarts >= self._config.max_restarts:
+            member.given_up = True
+            member.error = f"{reason}; gave up after {member.restarts} restarts"
+            logger.error("%s %d is down for good: %s", member.kind, member.index, member.error)
+            return
+        member.restarts += 1
+        logger.warning(
+            "restarting %s %d (%s), restart %d", member.kind, member.index, reason, member.restarts
+        )
+        try:
+            await self._starter.start_again(member)
+        except Exception as exc:
+            self._starter.kill(member)
+            member.healthy, member.error = False, f"{reason}; restart failed: {cause(exc)}"
+            logger.error("%s %d: %s", member.kind, member.index, member.error)

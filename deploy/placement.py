@@ -1,0 +1,80 @@
+"""Where the deployment's actors go: placement groups for the pools, and node id -> IP.
+
+Each pool reserves one placement group per start or resize up (Ray groups cannot grow), one
+bundle per replica; `reserve` waits for it and fails with `PlacementError` if the cluster
+cannot give it in time. Before waiting, `check_room` (deploy/room.py) fails at once when the
+bundles can never fit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import ray
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+from deploy.calls import call
+from deploy.members import Member, Pool, bundle_of
+from deploy.room import PlacementError, cluster_has
+
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # every Ray head node has 1 of it
+
+__all__ = ["HEAD_NODE_RESOURCE", "NodeIps", "PlacementError", "release_groups", "reserve"]
+
+
+async def reserve(pool: Pool, count: int, wait_s: float) -> list[Member]:
+    """Reserve `count` bundles for `pool` in one new placement group; add and return their members."""
+    bundle = bundle_of(pool.section)
+    group = placement_group([dict(bundle) for _ in range(count)], strategy=pool.section.placement)
+    try:
+        await call(group.ready(), wait_s)
+    except asyncio.TimeoutError:
+        remove_placement_group(group)
+        raise PlacementError(
+            f"pool {pool.name!r}: could not reserve {count} x {bundle} ({pool.section.placement}) "
+            f"within {wait_s:g} s; the Ray cluster has {cluster_has(bundle)}. Lower "
+            f"{pool.name}.replicas, num_cpus or num_gpus, free what else holds them, or add nodes."
+        ) from None
+    pool.groups.append(group)
+    nodes = placement_group_table(group)["bundles_to_node_id"]
+    members = [
+        Member(
+            kind=pool.role,
+            index=pool.next_index + i,
+            pool=pool.name,
+            node_id=nodes[i],
+            group=group,
+            bundle_index=i,
+        )
+        for i in range(count)
+    ]
+    pool.next_index += count
+    pool.members.extend(members)
+    return members
+
+
+def node_of_bundle(member: Member) -> str:
+    """The node a worker's bundle is on now (Ray re-places a bundle whose node died)."""
+    return str(placement_group_table(member.group)["bundles_to_node_id"][member.bundle_index])
+
+
+def release_groups(pool: Pool, *, all_groups: bool = False) -> None:
+    """Remove the pool's placement groups that no member uses (every one with `all_groups`)."""
+    used = set() if all_groups else {id(m.group) for m in pool.members}
+    for group in [g for g in pool.groups if id(g) not in used]:
+        pool.groups.remove(group)
+        with contextlib.suppress(Exception):
+            remove_placement_group(group)
+
+
+class NodeIps:
+    """Node id -> that node's IP, asked of Ray again whenever an id is not known yet."""
+
+    def __init__(self) -> None:
+        self.known: dict[str, str] = {}
+
+    def ip(self, node_id: str | None) -> str:
+        if node_id not in self.known:
+            self.known = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        return self.known.get(node_id or "", "127.0.0.1")

@@ -1,0 +1,109 @@
+"""Whether a pool's bundles can ever fit the Ray cluster, answered before waiting for them.
+
+A placement group that does not fit waits for resources until `health.start_timeout_s` runs
+out. When the cluster as it stands can never hold the bundles, `check_room` says so at once:
+no node has room for one bundle, too few nodes for STRICT_SPREAD, no node for all of a
+STRICT_PACK, or more of a resource than the cluster has beyond what the rest of this
+deployment takes. Resources that others hold are not counted against a request (they may be
+freed), so a request short only of those still waits; nodes an autoscaler might add are not
+foreseen.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+import ray
+
+from deploy.members import Pool, Roster, bundle_of
+from splitserve.config import ClusterConfig
+
+_EPSILON = 1e-9  # fractional CPUs add up inexactly
+
+
+class PlacementError(RuntimeError):
+    """A pool's bundles cannot be placed: the cluster lacks the resources (at all, or in time)."""
+
+
+def check_room(pool: Pool, count: int, held: Mapping[str, float]) -> None:
+    """Raise `PlacementError` now if `count` more bundles of `pool` can never be placed.
+
+    `held`: what the rest of this deployment takes, by resource name ("CPU", "GPU").
+    """
+    bundle = bundle_of(pool.section)
+    shortfall = _shortfall(bundle, count, pool.section.placement, held)
+    if shortfall:
+        raise PlacementError(
+            f"pool {pool.name!r}: cannot reserve {count} x {bundle} ({pool.section.placement}): "
+            f"{shortfall}. Lower {pool.name}.replicas, num_cpus or num_gpus, or add nodes."
+        )
+
+
+def check_start_room(config: ClusterConfig, pools: Iterable[Pool]) -> None:
+    """`check_room` for every pool of a deployment about to start, each after those before it.
+
+    The gateway and one store count as taken from the start (every deployment has them).
+    """
+    held = {"CPU": config.gateway.num_cpus + config.store.num_cpus}
+    for pool in pools:
+        check_room(pool, pool.section.replicas, held)
+        for name, amount in bundle_of(pool.section).items():
+            held[name] = held.get(name, 0.0) + amount * pool.section.replicas
+
+
+def held_resources(config: ClusterConfig, roster: Roster) -> dict[str, float]:
+    """What the deployment holds now: every bundle of its placement groups (a group keeps the
+    bundles of replicas that a resize removed until all of its replicas are gone), and the
+    CPUs of its running stores and gateway."""
+    held: dict[str, float] = {}
+    for pool in roster.pools.values():
+        for group in pool.groups:
+            for bundle in group.bundle_specs:
+                for name, amount in bundle.items():
+                    held[name] = held.get(name, 0.0) + amount
+    num_stores = sum(store.handle is not None for store in roster.stores.values())
+    cpus = num_stores * config.store.num_cpus
+    if roster.gateway is not None and roster.gateway.handle is not None:
+        cpus += config.gateway.num_cpus
+    held["CPU"] = held.get("CPU", 0.0) + cpus
+    return held
+
+
+def _shortfall(bundle: dict[str, float], count: int, strategy: str, held: Mapping[str, float]) -> str | None:
+    """Why `count` bundles can never fit, or None if they might."""
+    nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+    fits = [_num_fitting(node, bundle) for node in nodes]
+    if max(fits, default=0) == 0:
+        most = {name: max((node.get(name, 0.0) for node in nodes), default=0.0) for name in bundle}
+        return f"no node has room for one (the largest have {_amounts(most)})"
+    num_roomy_nodes = sum(f > 0 for f in fits)
+    if strategy == "STRICT_SPREAD" and num_roomy_nodes < count:
+        return f"STRICT_SPREAD needs {count} nodes with room for one each; the cluster has {num_roomy_nodes}"
+    if strategy == "STRICT_PACK" and max(fits) < count:
+        return f"STRICT_PACK needs one node with room for all {count}; the roomiest holds {max(fits)}"
+    total = ray.cluster_resources()
+    for name, amount in bundle.items():
+        need, have, taken = count * amount, total.get(name, 0.0), held.get(name, 0.0)
+        if need > have - taken + _EPSILON:
+            free = ray.available_resources().get(name, 0.0)
+            return (
+                f"they need {name} {need:g}, and the Ray cluster has {name} {have:g} in all, "
+                f"of which the rest of this deployment takes {taken:g} (free now: {free:g})"
+            )
+    return None
+
+
+def cluster_has(names: Iterable[str]) -> str:
+    """E.g. "CPU 2 in all, 0.5 free; GPU 8 in all, 0 free" for the named resources."""
+    total, free = ray.cluster_resources(), ray.available_resources()
+    return "; ".join(f"{n} {total.get(n, 0.0):g} in all, {free.get(n, 0.0):g} free" for n in names)
+
+
+def _num_fitting(node: Mapping[str, float], bundle: Mapping[str, float]) -> int:
+    """How many bundles the node's total resources hold."""
+    return min(math.floor(node.get(name, 0.0) / amount + _EPSILON) for name, amount in bundle.items())
+
+
+def _amounts(resources: Mapping[str, float]) -> str:
+    return ", ".join(f"{name} {amount:g}" for name, amount in resources.items())

@@ -1,0 +1,177 @@
+"""Creating the deployment's actors in their places, calling their `start()`, and ending them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+from deploy.actors import DEFAULT_CLASSES, StartError, gateway_settings_kwargs, load_actor_class
+from deploy.calls import call, cause
+from deploy.members import Member, Roster
+from deploy.placement import HEAD_NODE_RESOURCE, NodeIps, node_of_bundle
+from splitserve.config import ClusterConfig
+from splitserve.engine_config import EngineConfig
+
+logger = logging.getLogger("splitserve.deploy")
+
+
+class ActorStarter:
+    """Starts and ends the actors of one deployment, recording them in its `Roster`.
+
+    Owns the actor classes (loaded on first use; `overrides` replaces any kind, see
+    deploy/actors.py) and what the workers are built from (one `EngineConfig` per pool, from
+    the model path resolved once in `prepare`). Every worker gets the address of its own
+    node's store, which is started first; a member whose `start()` fails or overruns
+    `health.start_timeout_s` raises `StartError` naming it.
+    """
+
+    def __init__(
+        self, config: ClusterConfig, roster: Roster, node_ips: NodeIps, overrides: dict[str, type] | None
+    ) -> None:
+        self._config = config
+        self._roster = roster
+        self._node_ips = node_ips
+        self._overrides = dict(overrides or {})
+        unknown = set(self._overrides) - set(DEFAULT_CLASSES)
+        if unknown:
+            raise ValueError(
+                f"unknown actor_classes keys {sorted(unknown)}; known: {sorted(DEFAULT_CLASSES)}"
+            )
+        self._classes: dict[str, Any] = {}
+        self._engine_configs: dict[str, EngineConfig] = {}
+        self._model_path: str | None = None
+
+    async def prepare(self) -> None:
+        """Resolve the model path (the embedded model may be built here) and each pool's engine config."""
+        self._model_path = await asyncio.to_thread(self._config.model.resolved_path)
+        for name in self._config.pool_names:
+            self._engine_configs[name] = self._config.engine_config(name, model_path=self._model_path)
+
+    async def launch(self, workers: list[Member]) -> None:
+        """Start the stores these workers need (one per node), then the workers, concurrently."""
+        for node_id in dict.fromkeys(m.node_id for m in workers if m.node_id):
+            await self.ensure_store(node_id)
+        await asyncio.gather(*(self.start_worker(m) for m in workers))
+
+    async def ensure_store(self, node_id: str) -> Member:
+        """The node's store, started first if it has none yet."""
+        store = self._roster.stores.get(node_id)
+        if store is None:
+            store = Member(kind="store", index=len(self._roster.stores), node_id=node_id)
+            self._roster.stores[node_id] = store
+            await self.start_store(store)
+        return store
+
+    async def start_store(self, store: Member, port: int = 0) -> None:
+        cfg = self._config.store
+        assert store.node_id is not None  # a store always belongs to one node
+        cls = self._actor_class("store")
+        store.handle = cls.options(
+            num_cpus=cfg.num_cpus,
+            max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(store.node_id, soft=False),
+        ).remote(cfg.memory_bytes, cfg.disk.path, cfg.disk.bytes, cfg.lease_s)
+        store.address = await self._started_at(store, self._node_ips.ip(store.node_id), port)
+
+    async def start_worker(self, worker: Member) -> None:
+        assert worker.pool is not None
+        worker.node_id = node_of_bundle(worker)  # a bundle whose node died was re-placed elsewhere
+        store = await self.ensure_store(worker.node_id)
+        section = self._config.pool(worker.pool)
+        cls = self._actor_class(worker.kind)
+        worker.handle = cls.options(
+            num_cpus=section.num_cpus,
+            num_gpus=section.num_gpus,
+            max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                worker.group, placement_group_bundle_index=worker.bundle_index
+            ),
+        ).remote(self._engine_configs[worker.pool], store.address)
+        worker.address = await self._started_at(worker, self._node_ips.ip(worker.node_id), 0)
+
+    async def start_gateway(self, gateway: Member) -> None:
+        cfg = self._config.gateway
+        kwargs = gateway_settings_kwargs(self._config, self._model_path)
+        settings = self._actor_class("gateway_settings")(**kwargs)
+        cls = self._actor_class("gateway")
+        gateway.handle = cls.options(
+            num_cpus=cfg.num_cpus, max_restarts=0, resources={HEAD_NODE_RESOURCE: 0.001}
+        ).remote(settings)
+        gateway.address = await self._started_at(gateway, cfg.host, cfg.port)
+
+    async def start_again(self, member: Member) -> None:
+        """Start a member that died, in its own place: a store on its node (on its old port if it
+        can, else its workers start afresh with the new address), a worker in its bundle."""
+        if member.kind == "gateway":
+            await self.start_gateway(member)
+        elif member.kind == "store":
+            old = member.address
+            try:  # the same port keeps the workers' store address valid
+                await self.start_store(member, port=_port_of(old))
+            except Exception as exc:
+                logger.warning("store %d: port of %s not reusable (%s)", member.index, old, cause(exc))
+                self.kill(member)
+                await self.start_store(member, port=0)
+            if member.address != old:  # its workers hold the old address: start them afresh
+                for worker in self._roster.workers_on(member.node_id):
+                    self.kill(worker)
+                    await self.start_worker(worker)
+        else:
+            await self.start_worker(member)
+
+    async def shutdown(self, member: Member, drain_timeout_s: float = 0.0) -> None:
+        """Ask the actor to shut down, letting its requests in flight finish for up to
+        `drain_timeout_s` first; then kill it whatever it said."""
+        if member.handle is not None:
+            shutdown = member.handle.shutdown
+            ref = shutdown.remote(drain_timeout_s=drain_timeout_s) if drain_timeout_s else shutdown.remote()
+            with contextlib.suppress(Exception):
+                await call(ref, self._config.health.timeout_s + drain_timeout_s)
+        self.kill(member)
+
+    def kill(self, member: Member) -> None:
+        if member.handle is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(member.handle, no_restart=True)
+        member.handle, member.healthy = None, False
+
+    async def _started_at(self, member: Member, host: str, port: int) -> str:
+        """Call the new actor's `start(host, port)`, learn its node and pid, mark it healthy;
+        return its address."""
+        timeout_s = self._config.health.start_timeout_s
+        try:
+            address = await call(member.handle.start.remote(host, port), timeout_s)
+            where = member.handle.__ray_call__.remote(_node_and_pid_of_actor)
+            member.node_id, member.pid = await call(where, timeout_s)
+        except asyncio.TimeoutError:
+            raise StartError(
+                f"{member.kind} {member.index}: start() did not return within {timeout_s:g} s "
+                f"(raise health.start_timeout_s if loading the model takes longer)"
+            ) from None
+        except Exception as exc:
+            raise StartError(f"{member.kind} {member.index} failed to start: {cause(exc)}") from None
+        member.healthy, member.error = True, None
+        logger.info("%s %d started at %s", member.kind, member.index, address)
+        return str(address)
+
+    def _actor_class(self, kind: str) -> Any:
+        if kind not in self._classes:
+            self._classes[kind] = load_actor_class(kind, self._overrides.get(kind))
+        return self._classes[kind]
+
+
+def _node_and_pid_of_actor(_self: Any) -> tuple[str, int]:
+    return ray.get_runtime_context().get_node_id(), os.getpid()
+
+
+def _port_of(address: str | None) -> int:
+    if not address or ":" not in address:
+        return 0
+    port = address.rpartition(":")[2]
+    return int(port) if port.isdigit() else 0

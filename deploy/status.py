@@ -1,0 +1,60 @@
+"""The controller's `status()` report: plain JSON-ready data about every actor of the deployment.
+
+Its shape is documented in deploy/README.md ("Status as JSON"); `splitserve status --json`
+prints it as is, and deploy/report.py turns it into the status table.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deploy.members import Member, Roster
+from deploy.placement import NodeIps
+from deploy.publisher import WorkerLists
+
+
+def build_status(
+    roster: Roster,
+    *,
+    mode: str,
+    model: str,
+    started: bool,
+    stopped: bool,
+    published: WorkerLists | None,
+    node_ips: NodeIps,
+) -> dict[str, Any]:
+    """Everything at a glance: per pool replicas, addresses, health, restarts and load; per
+    worker, store and gateway its place, process, health and what it last reported."""
+    ips = node_ips.known
+    pools = {name: pool.summary(ips) for name, pool in roster.pools.items()}
+    gateway = roster.gateway.row(ips) if roster.gateway else None
+    if gateway is not None:
+        gateway["url"] = _gateway_url(roster.gateway, node_ips)
+    stores = [store.row(ips) for store in roster.stores.values()]
+    everything = [gateway, *stores] if gateway else stores
+    healthy = (
+        started
+        and not stopped
+        and all(p["healthy"] for p in pools.values())
+        and all(row["healthy"] for row in everything)
+    )
+    return {
+        "mode": mode,
+        "model": model,
+        "started": started,
+        "stopped": stopped,
+        "healthy": healthy,
+        "gateway": gateway,
+        "pools": pools,
+        "stores": stores,
+        "published": {"prefill": published[0], "decode": published[1]} if published else None,
+    }
+
+
+def _gateway_url(gateway: Member | None, node_ips: NodeIps) -> str | None:
+    if gateway is None or gateway.address is None:
+        return None
+    host, _, port = gateway.address.rpartition(":")
+    if host in ("0.0.0.0", "::", "[::]"):  # bound to every interface: name the node's own
+        host = node_ips.ip(gateway.node_id)
+    return f"http://{host}:{port}"
