@@ -1,7 +1,8 @@
-"""Helpers shared by the deploy tests: a small config, polling, liveness checks."""
+"""Helpers shared by the deploy tests: a small config, polling, liveness checks, the status shape."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -55,3 +56,30 @@ def wait_until(probe: Callable[[], T | None], *, timeout_s: float = 60, what: st
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(0.1)
+
+
+# The documented shape of `status()` (deploy/README.md, "Status as JSON").
+STATUS_KEYS = {"mode", "model", "started", "stopped", "healthy", "gateway", "pools", "stores", "published"}
+POOL_KEYS = {"role", "replicas", "placement", "bundle", "addresses", "num_healthy", "healthy", "restarts"}
+POOL_KEYS |= {"load", "workers"}
+ROW_KEYS = {"kind", "pool", "index", "address", "node_id", "node_ip", "pid", "healthy", "restarts"}
+ROW_KEYS |= {"given_up", "error", "stats"}
+
+
+def check_status_shape(status: dict[str, Any]) -> None:
+    """Assert that `status` is plain JSON with the documented keys, every actor placed and running."""
+    assert json.loads(json.dumps(status)) == status
+    assert set(status) == STATUS_KEYS
+    rows = [status["gateway"], *status["stores"]]
+    for name, pool in status["pools"].items():
+        assert set(pool) == POOL_KEYS
+        assert [w["index"] for w in pool["workers"]] == list(range(pool["replicas"]))
+        for worker in pool["workers"]:
+            assert worker["pool"] == name and worker["kind"] == pool["role"]
+        rows += pool["workers"]
+    assert set(status["gateway"]) == ROW_KEYS | {"url"}
+    for row in rows:
+        assert set(row) >= ROW_KEYS, row
+        assert isinstance(row["pid"], int) and row["pid"] > 0, row
+        assert isinstance(row["node_id"], str) and len(row["node_id"]) == 56, row  # Ray's hex node ids
+    assert all(store["kind"] == "store" and store["pool"] is None for store in status["stores"])

@@ -12,7 +12,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from deploy.controller import PlacementError
 from deploy.launcher import ClusterError, ClusterHandle, run_cluster
 from tests.deploy.fakes import FAKE_CLASSES, REGISTRY_NAME, REGISTRY_NAMESPACE, FailingPrefill, Registry
-from tests.deploy.helpers import is_dead, is_dead_controller, small_config, wait_until
+from tests.deploy.helpers import check_status_shape, is_dead, is_dead_controller, small_config, wait_until
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -256,7 +256,13 @@ def test_real_store_and_workers_start_report_load_and_restart(registry):
         )
         assert status["healthy"] and status["model"] == "tiny-kimi-linear"
         assert status["pools"]["prefill"]["load"]["num_running"] == 0
-        assert "num_keys" in status["stores"][0]["stats"]
+        check_status_shape(status)
+        assert is_idle(status)
+        (store,) = status["stores"]
+        assert store["node_id"] == ray.get_runtime_context().get_node_id()
+        assert [(t["name"], t["num_bytes"], t["capacity_bytes"]) for t in store["stats"]["tiers"]] == [
+            ("memory", 0, 64 << 20)
+        ]
         prefill, decode = status["pools"]["prefill"]["addresses"], status["pools"]["decode"]["addresses"]
         assert events(registry, "update_workers")[-1] == ("update_workers", prefill, decode)
 
@@ -281,6 +287,18 @@ def test_a_worker_that_fails_to_start_fails_the_launch_naming_it_and_leaves_noth
     assert handles and all(is_dead(h) for h in handles)
 
 
+def is_idle(status: dict[str, Any]) -> bool:
+    """Every worker holds no request and has all its KV blocks and state slots free; no store
+    holds a key (what status() reports as of the last health pass)."""
+    workers = [w["stats"] for pool in status["pools"].values() for w in pool["workers"]]
+    return all(
+        (w["num_running"], w["num_waiting"], w["num_reserved"]) == (0, 0, 0)
+        and w["num_free_kv_blocks"] == w["num_total_kv_blocks"] > 0
+        and w["num_free_state_slots"] == w["num_total_state_slots"] > 0
+        for w in workers
+    ) and all(store["stats"]["num_keys"] == 0 for store in status["stores"])
+
+
 def completion(url: str) -> str:
     import httpx
 
@@ -303,7 +321,10 @@ def test_the_real_deployment_serves_a_completion_before_and_after_a_decode_resta
         url = cluster.gateway_url
         assert url is not None
         first = completion(url)
-        old = cluster.status()["pools"]["decode"]["addresses"]
+        status = wait_until(lambda: is_idle(s := cluster.status()) and s, what="idle workers, empty store")
+        check_status_shape(status)
+        assert status["gateway"]["stats"]["ready"] and status["gateway"]["url"] == url
+        old = status["pools"]["decode"]["addresses"]
         ray.kill(ray.get(cluster.controller.worker_handle.remote("decode", 0)))
         pool = wait_until(
             lambda: (p := cluster.status()["pools"]["decode"])["restarts"] == 1 and p["healthy"] and p,
