@@ -95,8 +95,15 @@ def make_tiny_model(
     `q_lora_rank`, `linear_conv_kernel_dim`); a changed `num_hidden_layers` without explicit
     layer patterns gets the preset's patterns repeated to the new length.
     """
-    import torch
-    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+    try:
+        import torch
+        from transformers import KimiLinearConfig, KimiLinearForCausalLM
+    except ModuleNotFoundError as exc:  # a base install (gateway node) has neither
+        raise ModuleNotFoundError(
+            f"building a tiny model needs the engine's dependencies ({exc.name} is missing): "
+            "pip install 'splitserve[engine]', or point model.path at an existing checkpoint",
+            name=exc.name,
+        ) from exc
 
     path = Path(path)
     tokenizer = write_tokenizer_files(path, model_max_length=_max_length(preset, config_overrides))
