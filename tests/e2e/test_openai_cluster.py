@@ -1,6 +1,7 @@
 """The product, end to end: `run_cluster` on local Ray (real actors, gRPC, HTTP), driven with the
 official openai client. 32 concurrent mixed-length requests give the offline engine's tokens in
-both modes, greedy and seeded; streaming equals non-streaming; chat works."""
+both modes, greedy and seeded; greedy tokens and top-5 logprobs agree with transformers' own
+generate; streaming equals non-streaming; chat works; afterwards every worker and store is empty."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ from deploy.launcher import run_cluster
 from splitserve import LLM, SamplingParams
 from splitserve.config import parse_config
 from splitserve.tiny_model import make_tiny_model
+from tests.e2e.helpers import MODEL, TOKEN_IDS, assert_idle, complete, openai_client, token_id, token_ids
+from tests.oracle import GreedyTrace, check_logprobs_close, hf_greedy
 
 NUM_REQUESTS = 32
+NUM_ORACLE_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +50,13 @@ def offline_tokens(model_path, workload):
 
 
 @pytest.fixture(scope="module")
+def oracle(model_path, workload) -> tuple[list[list[int]], list[GreedyTrace]]:
+    """Four of the greedy requests' prompts and transformers' own greedy continuations of them."""
+    prompts = workload[0][0:8:2]
+    return prompts, hf_greedy(model_path, prompts, NUM_ORACLE_TOKENS)
+
+
+@pytest.fixture(scope="module")
 def local_ray():
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
@@ -68,35 +79,15 @@ def _config(model_path, mode: str):
     return parse_config(data)
 
 
-def _token_ids(choice) -> list[int]:
-    return [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
-
-
-def _complete(client: openai.OpenAI, prompt: list[int], params: dict) -> list[int]:
-    out = client.completions.create(
-        model="tiny",
-        prompt=prompt,
-        logprobs=0,
-        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
-        **params,
-    )
-    return _token_ids(out.choices[0])
-
-
 def _stream(client: openai.OpenAI, prompt: list[int], params: dict) -> tuple[list[int], str]:
     tokens, text = [], ""
     for event in client.completions.create(
-        model="tiny",
-        prompt=prompt,
-        logprobs=0,
-        stream=True,
-        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
-        **params,
+        model=MODEL, prompt=prompt, logprobs=0, stream=True, extra_body=TOKEN_IDS, **params
     ):
         choice = event.choices[0]
         text += choice.text
         if choice.logprobs is not None:
-            tokens += _token_ids(choice)
+            tokens += token_ids(choice)
     return tokens, text
 
 
@@ -105,11 +96,9 @@ def served(request, local_ray, model_path, workload):
     """The deployment of one mode, its client, and the tokens its 32 concurrent requests got."""
     prompts, params = workload
     with run_cluster(_config(model_path, request.param)) as cluster:
-        client = openai.OpenAI(
-            base_url=f"{cluster.gateway_url}/v1", api_key="unused", max_retries=0, timeout=120
-        )
+        client = openai_client(cluster.gateway_url)
         with ThreadPoolExecutor(NUM_REQUESTS) as pool:
-            tokens = list(pool.map(lambda a: _complete(client, *a), zip(prompts, params)))
+            tokens = list(pool.map(lambda a: complete(client, *a), zip(prompts, params)))
         yield request.param, cluster, client, tokens
 
 
@@ -159,8 +148,31 @@ def _chat_ids(model_path) -> list[int]:
     )
 
 
+def test_greedy_tokens_and_logprobs_agree_with_transformers(served, oracle):
+    """The cluster against transformers' KimiLinearForCausalLM.generate, not only the offline engine:
+    a divergence is allowed only where each side's token is in the other's top-5 (vLLM's rule)."""
+    _, _, client, _ = served
+    prompts, reference = oracle
+    traces = []
+    for prompt in prompts:
+        out = client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=NUM_ORACLE_TOKENS,
+            temperature=0.0,
+            logprobs=5,
+            extra_body=TOKEN_IDS,
+        )
+        choice = out.choices[0]
+        tops = [{token_id(t): lp for t, lp in top.items()} for top in choice.logprobs.top_logprobs]
+        traces.append(GreedyTrace(token_ids(choice), tops))
+    check_logprobs_close(reference, traces)
+
+
 def test_every_worker_is_idle_and_the_store_empty_afterwards(served):
+    """Per worker 0 running / waiting / reserved and every KV block and state slot free; 0 keys
+    in every store (read from each worker's and store's own stats, not the controller's)."""
     mode, cluster, _, _ = served
-    status = cluster.status()
-    for name, pool in status["pools"].items():
-        assert pool["healthy"], f"{mode}: pool {name} unhealthy: {pool}"
+    num_workers = sum(len(pool["workers"]) for pool in cluster.status()["pools"].values())
+    assert num_workers == 2, f"{mode}: expected 2 workers, found {num_workers}"
+    assert_idle(cluster)
