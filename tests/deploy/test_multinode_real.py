@@ -1,0 +1,121 @@
+"""Real workers on two Ray nodes (two raylets on this machine): prefill on one node, decode on
+the other, each beside its own node's store, so the prefilled state crosses nodes. Through the
+real gateway and the official openai client, the tokens equal the offline engine's; afterwards
+every worker is idle and both stores are empty."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from deploy.launcher import ClusterHandle, run_cluster
+from splitserve import LLM, SamplingParams
+from splitserve.config import parse_config
+from splitserve.tiny_model import make_tiny_model
+from tests.e2e.helpers import assert_idle, complete, openai_client
+
+NUM_CPUS_PER_NODE = 2
+# Every node has 2 CPUs and each worker reserves 1.5: whichever node the first worker takes, the
+# other fits only on the other node. The head also holds its store (0.25) and the gateway (0.25).
+WORKER = {"num_cpus": 1.5, "kv_cache_memory_bytes": "16MiB", "max_num_seqs": 8}
+PROMPTS = [[3, 17, 99, 5], list(range(40, 140)), [7] * 33, [1999, 4, 250]]
+PARAMS = [
+    {"max_tokens": 6, "temperature": 0.0},
+    {"max_tokens": 5, "temperature": 0.0},
+    {"max_tokens": 6, "temperature": 0.9, "top_p": 0.95, "seed": 21},
+    {"max_tokens": 1, "temperature": 0.0},  # prefill only: no state crosses
+]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("multinode-model"), seed=9)
+
+
+@pytest.fixture(scope="module")
+def two_nodes() -> Iterator[Cluster]:
+    """Two raylets and a GCS of our own; every process they started ends with the module.
+
+    A `Cluster` writes its address to `<RAY_TMPDIR>/ray/ray_current_cluster`, where a plain
+    `ray.init()` elsewhere on this machine would find it and join; an own RAY_TMPDIR (short,
+    since Ray's socket paths live under it) keeps this cluster to this module.
+    """
+    temp_dir = tempfile.mkdtemp(prefix="ssmn-", dir="/tmp")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_TMPDIR", temp_dir)
+        env.delenv("RAY_ADDRESS", raising=False)
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": NUM_CPUS_PER_NODE,
+                "include_dashboard": False,
+                "dashboard_agent_listen_port": None,  # any free port, as the Cluster picks for other nodes
+            },
+        )
+        try:
+            cluster.add_node(num_cpus=NUM_CPUS_PER_NODE)
+            cluster.wait_for_nodes()
+            ray.init(address=cluster.address, log_to_driver=False)
+            yield cluster
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def served(two_nodes: Cluster, model_path: Path) -> Iterator[ClusterHandle]:
+    config = parse_config(
+        {
+            "model": {"path": str(model_path), "name": "tiny"},
+            "gateway": {"port": 0},
+            "prefill": WORKER,
+            "decode": WORKER,
+            "store": {"memory_bytes": "64MiB", "disk": {"path": None}},
+            "health": {"interval_s": 1, "timeout_s": 30, "start_timeout_s": 300},
+        }
+    )
+    with run_cluster(config) as cluster:
+        yield cluster
+
+
+def _node_id(_actor: Any) -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
+def _node_of_worker(cluster: ClusterHandle, pool: str) -> str:
+    handle = ray.get(cluster.controller.worker_handle.remote(pool, 0), timeout=30)
+    return ray.get(handle.__ray_call__.remote(_node_id), timeout=30)  # type: ignore[no-any-return]
+
+
+def test_prefill_and_decode_run_on_different_nodes_each_with_its_own_store(served, two_nodes):
+    prefill_node, decode_node = _node_of_worker(served, "prefill"), _node_of_worker(served, "decode")
+    assert prefill_node != decode_node
+    alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+    assert {prefill_node, decode_node} == alive
+    stores = served.status()["stores"]
+    assert len(stores) == 2 and len({store["address"] for store in stores}) == 2, stores
+
+
+def test_tokens_through_the_gateway_equal_the_offline_engine(served, model_path):
+    client = openai_client(served.gateway_url)
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        tokens = list(pool.map(lambda args: complete(client, *args), zip(PROMPTS, PARAMS)))
+    llm = LLM(model=str(model_path), kv_cache_memory_bytes=16 * 2**20, max_num_seqs=8)
+    params = [SamplingParams(ignore_eos=True, **p) for p in PARAMS]
+    outputs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    offline = [list(out.outputs[0].token_ids) for out in outputs]
+    assert tokens == offline
+    assert [len(t) for t in tokens] == [p["max_tokens"] for p in PARAMS]
+
+
+def test_every_worker_is_idle_and_both_stores_empty_afterwards(served):
+    assert_idle(served)
