@@ -11,7 +11,7 @@ class PrefixIndex:
     A chain's element i names the whole prompt up to prefix unit i (each hash covers the ones
     before it), so a key registered under chain[:n] answers any query whose element n-1 is equal.
     Registering is the writer's promise that the key holds every MLA layer's KV and a KDA state
-    snapshot at exactly that boundary (DESIGN.md: a prefix hit is all-or-nothing); the index
+    snapshot at exactly that boundary (docs/ARCHITECTURE.md: a prefix hit is all or nothing); the index
     only remembers it. Not thread-safe (the store locks); owns no state bytes.
     """
 
