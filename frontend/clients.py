@@ -6,9 +6,14 @@ to one loop). gRPC failures become `GatewayError`s with the status a client shou
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Awaitable
+from typing import TypeVar
+
 import grpc
 
 from frontend.errors import GatewayError
+from splitserve.rpc import channel_options
 from splitserve.v1 import (
     decode_pb2,
     decode_pb2_grpc,
@@ -18,11 +23,9 @@ from splitserve.v1 import (
     store_pb2_grpc,
 )
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
+# The options of every splitserve channel: message limits, and keepalive pings the workers'
+# servers accept (splitserve.rpc.server_options), so an idle gateway is never sent GOAWAY.
+CHANNEL_OPTIONS = channel_options()
 
 _STATUS_BY_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -33,11 +36,21 @@ _STATUS_BY_CODE = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 503,
 }
 
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
 
 def rpc_error(exc: grpc.aio.AioRpcError, rpc: str, address: str) -> GatewayError:
     """The gateway error for a failed RPC: 400 / 429 / 503 by gRPC status, else 503."""
     code = exc.code()
     status = _STATUS_BY_CODE.get(code, 503)
+    if code == grpc.StatusCode.UNKNOWN:  # an exception escaped a servicer: its text is internal
+        logger.warning("%s on %s failed (%s): %s", rpc, address, code.name, exc.details())
+        return GatewayError(
+            503,
+            f"{rpc} on {address} failed ({code.name}); the worker's log has the cause",
+            code="worker_error",
+        )
     details = exc.details() or code.name
     if status == 400:
         return GatewayError(400, details)
@@ -67,56 +80,49 @@ class WorkerClients:
         return prefill_pb2_grpc.PrefillStub(self._channel(address))
 
     async def reserve(self, address: str, request: decode_pb2.ReserveRequest) -> decode_pb2.ReserveResponse:
-        try:
-            return await self._decode(address).Reserve(request, timeout=self.rpc_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise rpc_error(exc, "Decode.Reserve", address) from exc
+        call = self._decode(address).Reserve(request, timeout=self.rpc_timeout_s)
+        return await _unary(call, "Decode.Reserve", address)
 
     async def prefill(
         self, address: str, request: prefill_pb2.PrefillRequest, timeout_s: float
     ) -> prefill_pb2.PrefillResponse:
-        try:
-            return await self._prefill(address).Prefill(request, timeout=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise rpc_error(exc, "Prefill.Prefill", address) from exc
+        call = self._prefill(address).Prefill(request, timeout=timeout_s)
+        return await _unary(call, "Prefill.Prefill", address)
 
     def decode(self, address: str, request: decode_pb2.DecodeRequest, timeout_s: float) -> DecodeStream:
         return DecodeStream(self._decode(address).Decode(request, timeout=timeout_s), address)
 
     async def abort_decode(self, address: str, request_id: str) -> bool:
         request = decode_pb2.AbortDecodeRequest(request_id=request_id)
-        try:
-            response = await self._decode(address).Abort(request, timeout=self.rpc_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise rpc_error(exc, "Decode.Abort", address) from exc
-        return bool(response.found)
+        call = self._decode(address).Abort(request, timeout=self.rpc_timeout_s)
+        return bool((await _unary(call, "Decode.Abort", address)).found)
 
     async def abort_prefill(self, address: str, request_id: str) -> bool:
         request = prefill_pb2.AbortPrefillRequest(request_id=request_id)
-        try:
-            response = await self._prefill(address).Abort(request, timeout=self.rpc_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise rpc_error(exc, "Prefill.Abort", address) from exc
-        return bool(response.found)
+        call = self._prefill(address).Abort(request, timeout=self.rpc_timeout_s)
+        return bool((await _unary(call, "Prefill.Abort", address)).found)
 
     async def decode_stats(self, address: str) -> decode_pb2.DecodeStats:
-        try:
-            request = decode_pb2.DecodeStatsRequest()
-            return await self._decode(address).Stats(request, timeout=self.rpc_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise rpc_error(exc, "Decode.Stats", address) from exc
+        call = self._decode(address).Stats(decode_pb2.DecodeStatsRequest(), timeout=self.rpc_timeout_s)
+        return await _unary(call, "Decode.Stats", address)
 
     async def store_stats(self, address: str) -> store_pb2.StoreStats:
-        try:
-            stub = store_pb2_grpc.StateStoreStub(self._channel(address))
-            return await stub.Stats(store_pb2.StatsRequest(), timeout=self.rpc_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise rpc_error(exc, "StateStore.Stats", address) from exc
+        stub = store_pb2_grpc.StateStoreStub(self._channel(address))
+        call = stub.Stats(store_pb2.StatsRequest(), timeout=self.rpc_timeout_s)
+        return await _unary(call, "StateStore.Stats", address)
 
     async def close(self) -> None:
         channels, self._channels = self._channels, {}
         for channel in channels.values():
             await channel.close()
+
+
+async def _unary(call: Awaitable[T], rpc: str, address: str) -> T:
+    """Await one unary call; a gRPC failure becomes the GatewayError a client should see."""
+    try:
+        return await call
+    except grpc.aio.AioRpcError as exc:
+        raise rpc_error(exc, rpc, address) from exc
 
 
 class DecodeStream:

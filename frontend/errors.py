@@ -7,6 +7,7 @@ gateway as a bare 500 or as FastAPI's own `{"detail": ...}` shape.
 from __future__ import annotations
 
 import logging
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -88,9 +89,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unexpected error in the gateway")
-        body = error_body(500, f"internal error in the gateway: {type(exc).__name__}: {exc}")
-        return JSONResponse(body, status_code=500)
+        # The exception's text stays in the log: it may hold paths, addresses or internals.
+        error_id = uuid.uuid4().hex[:12]
+        logger.exception("unexpected error %s in the gateway", error_id)
+        message = f"internal error in the gateway; its log has the cause under error id {error_id}"
+        return JSONResponse(error_body(500, message), status_code=500)
 
 
 def validation_error(exc: RequestValidationError) -> GatewayError:

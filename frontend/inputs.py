@@ -9,16 +9,20 @@ second.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import anyio.to_thread
 import jinja2
 
-from frontend.errors import bad_request
-from splitserve.tokenizer import Tokenizer
+from frontend.errors import bad_request, model_not_found
+from frontend.protocol import ChatCompletionRequest, CompletionRequest
+from splitserve.sampling_params import SamplingParams
+from splitserve.tokenizer import ChatTemplateError, Tokenizer
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 # ~4k tokens, ~10 ms to tokenize here: past this a thread hop is cheaper than the loop's time.
 LONG_TEXT_CHARS = 16_384
@@ -54,16 +58,25 @@ def tokenize_prompt(prompt: str | list[int], tokenizer: Tokenizer | None) -> lis
             prompt, add_special_tokens=True
         )
     ids = list(prompt)
-    if tokenizer is not None:
-        vocab_size = tokenizer.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise bad_request(
-                f"prompt token id {bad[0]} is out of range; the vocabulary has {vocab_size}", "prompt"
-            )
-    elif any(t < 0 for t in ids):
-        raise bad_request("prompt token ids must be non-negative", "prompt")
+    check_token_ids(ids, tokenizer, "prompt")
     return ids
+
+
+def check_token_ids(ids: list[int], tokenizer: Tokenizer | None, param: str) -> None:
+    """Ids a request names must be in the vocabulary, when the gateway knows it (a tokenizer);
+    else they must at least be non-negative. A worker would fail on them, or never match one."""
+    if tokenizer is None:
+        if any(t < 0 for t in ids):
+            raise bad_request(f"{param} token ids must be non-negative", param)
+        return
+    vocab_size = tokenizer.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise bad_request(
+            f"{param} token id {bad} is out of range; the vocabulary has {vocab_size} tokens "
+            f"(ids 0 to {vocab_size - 1})",
+            param,
+        )
 
 
 def tokenize_chat(
@@ -78,8 +91,15 @@ def tokenize_chat(
         text = tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
         )
-    except (ValueError, TypeError, jinja2.TemplateError) as exc:
-        raise bad_request(f"could not render the chat template: {exc}", "messages") from exc
+    except ChatTemplateError as exc:  # the template's own words, written for the user
+        raise bad_request(str(exc), "messages") from exc
+    except (ValueError, TypeError, LookupError, jinja2.TemplateError) as exc:  # internal text: log it
+        logger.warning("the chat template failed on a request: %s: %s", type(exc).__name__, exc)
+        raise bad_request(
+            "the chat template could not render these messages; check their roles, order and "
+            "chat_template_kwargs",
+            "messages",
+        ) from exc
     ids = tokenizer.encode_releasing_gil(text, add_special_tokens=False)
     if not ids:
         raise bad_request("the rendered chat prompt is empty", "messages")
@@ -104,3 +124,42 @@ def token_budget(num_prompt_tokens: int, max_tokens: int | None, max_model_len: 
             "max_tokens",
         )
     return max_tokens
+
+
+async def prompt_ids(
+    body: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer | None
+) -> list[list[int]]:
+    """Every prompt's token ids (one per choice): completions' prompts as they are or tokenized,
+    chat's messages through the template; long texts are tokenized off the event loop."""
+    if isinstance(body, ChatCompletionRequest):
+        messages = body.template_messages()
+        add_generation_prompt, template_kwargs = body.add_generation_prompt, body.chat_template_kwargs
+        return await off_the_loop_if_long(
+            messages_chars(messages),
+            lambda: [tokenize_chat(messages, tokenizer, add_generation_prompt, template_kwargs)],
+        )
+    texts = body.prompts()
+    return await off_the_loop_if_long(
+        prompt_chars(texts), lambda: [tokenize_prompt(p, tokenizer) for p in texts]
+    )
+
+
+def sampling_params_for(
+    body: CompletionRequest | ChatCompletionRequest,
+    prompts: list[list[int]],
+    max_model_len: int,
+    tokenizer: Tokenizer | None,
+) -> SamplingParams:
+    """The request's SamplingParams, with a max_tokens every prompt's context has room for."""
+    max_tokens = body.requested_max_tokens()
+    params = body.sampling_params(min(token_budget(len(ids), max_tokens, max_model_len) for ids in prompts))
+    if params.stop:
+        require_tokenizer(tokenizer, "stop strings")
+    check_token_ids(params.stop_token_ids, tokenizer, "stop_token_ids")
+    return params
+
+
+def check_model(model: str | None, served: str) -> None:
+    """A request may name the served model or none."""
+    if model is not None and model != served:
+        raise model_not_found(model, served)

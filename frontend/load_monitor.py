@@ -54,6 +54,11 @@ class LoadMonitor:
         if address:
             self.store_addresses.add(address)
 
+    def on_route(self, store_address: str) -> None:
+        """A reservation was placed: watch its store, and refresh the load it changed soon."""
+        self.saw_store(store_address)
+        self.kick()
+
     async def refresh(self) -> None:
         decode = self.router.decode_addresses
         self.metrics.set_workers(len(self.router.prefill_addresses), len(decode))

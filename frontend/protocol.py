@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from frontend.errors import bad_request
-from splitserve.sampling_params import SamplingParams
+from splitserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[str] | list[int] | list[list[int]]
+# Roles a chat message may have. OpenAI's "tool" and "function" answer tool calls, unsupported here.
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+MAX_STOP_STRINGS = 16  # the gateway searches the text for each after every token
 
 
 class StreamOptions(BaseModel):
@@ -63,6 +66,12 @@ class _Request(BaseModel):
             raise bad_request("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
+            raise bad_request(
+                f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed "
+                "(each is searched for after every token)",
+                "stop",
+            )
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         try:
@@ -87,6 +96,9 @@ class _Request(BaseModel):
             )
         except ValueError as exc:
             raise bad_request(str(exc), _param_of(str(exc))) from exc
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
 
     @property
     def include_usage(self) -> bool:
@@ -141,11 +153,39 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
+    """One message in; its role and its text content are checked here, so the template gets text."""
+
     model_config = ConfigDict(extra="allow")
 
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    # validate_default: a missing content is refused like a null one
+    content: str | list[dict[str, Any]] | None = Field(None, validate_default=True)
     name: str | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role not in CHAT_ROLES:
+            raise ValueError(
+                f"role {role!r} is not supported; use one of {', '.join(CHAT_ROLES)} "
+                "(tool messages need tools, which this server does not support)"
+            )
+        return role
+
+    @field_validator("content")
+    @classmethod
+    def _text_content(cls, content: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]]:
+        if content is None:
+            raise ValueError(
+                "content must be a string or a list of text parts, not null (null content goes with "
+                "tool calls, which this server does not support)"
+            )
+        for i, part in enumerate(content if isinstance(content, list) else []):
+            if part.get("type") != "text":
+                raise ValueError(f"content part type {part.get('type')!r} is not supported; only 'text'")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"content part {i} has type 'text' but no string 'text'")
+        return content
 
 
 class ChatCompletionRequest(_Request):
@@ -161,21 +201,12 @@ class ChatCompletionRequest(_Request):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def requested_max_tokens(self) -> int | None:
+        """OpenAI's newer name first; `max_tokens` is its deprecated spelling."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def template_messages(self) -> list[dict[str, Any]]:
-        messages = []
-        for i, message in enumerate(self.messages):
-            if isinstance(message.content, list):
-                for part in message.content:
-                    if part.get("type") != "text":
-                        raise bad_request(
-                            f"content part type {part.get('type')!r} is not supported; only 'text'",
-                            f"messages.{i}.content",
-                        )
-            dumped = message.model_dump()
-            messages.append({k: v for k, v in dumped.items() if v is not None or k == "content"})
-        return messages
+        """The messages as the chat template takes them (fields left unset are left out)."""
+        return [message.model_dump(exclude_none=True) for message in self.messages]
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         self._reject_unsupported()
@@ -185,6 +216,10 @@ class ChatCompletionRequest(_Request):
             raise bad_request("only response_format type 'text' is supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(
+                f"top_logprobs must be in [0, {MAX_LOGPROBS}] (got {self.top_logprobs})", "top_logprobs"
+            )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs)
 
@@ -215,21 +250,42 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+LogprobsT = TypeVar("LogprobsT", bound=BaseModel)
+
+
+def _now_s() -> int:
+    return int(time.time())
+
+
+class _Choice(BaseModel, Generic[LogprobsT]):
+    """What every choice carries: its index, its logprobs if asked, and why it finished (last step)."""
+
     index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
+    logprobs: LogprobsT | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
 
-class CompletionResponse(BaseModel):
+class _Envelope(BaseModel):
+    """What every response and chunk carries around its choices."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    object: str
+    created: int = Field(default_factory=_now_s)
     model: str
-    choices: list[CompletionChoice]
+    choices: list[Any]
     usage: UsageInfo | None = None
+
+
+class CompletionChoice(_Choice[CompletionLogprobs]):
+    text: str
+
+
+class CompletionResponse(_Envelope):
+    """A whole completion, and each streamed chunk of one (OpenAI uses one shape for both)."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class TopLogprob(BaseModel):
@@ -251,21 +307,13 @@ class ChatMessageOut(BaseModel):
     content: str | None = None
 
 
-class ChatChoice(BaseModel):
-    index: int
+class ChatChoice(_Choice[ChatLogprobs]):
     message: ChatMessageOut
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Envelope):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChoice]
-    usage: UsageInfo | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -273,27 +321,19 @@ class DeltaMessage(BaseModel):
     content: str | None = None
 
 
-class ChatChunkChoice(BaseModel):
-    index: int
+class ChatChunkChoice(_Choice[ChatLogprobs]):
     delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Envelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
 
 
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int = Field(default_factory=_now_s)
     owned_by: str = "splitserve"
     root: str | None = None
     max_model_len: int | None = None

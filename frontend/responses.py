@@ -6,7 +6,7 @@ renders each streamed chunk, so the two always agree on text, tokens and logprob
 
 from __future__ import annotations
 
-from frontend.generate import Step
+from frontend.generate import Generation, Step
 from frontend.protocol import (
     ChatLogprobs,
     ChatTokenLogprob,
@@ -29,7 +29,10 @@ def concat_steps(steps: list[Step]) -> Step:
     )
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
+def usage_of(gens: list[Generation]) -> UsageInfo:
+    """Prompt and generated tokens of a request's generations, as they stand."""
+    num_prompt_tokens = sum(len(g.prompt_ids) for g in gens)
+    num_completion_tokens = sum(g.num_generated_tokens for g in gens)
     return UsageInfo(
         prompt_tokens=num_prompt_tokens,
         completion_tokens=num_completion_tokens,

@@ -1,7 +1,7 @@
 """Driving a request's generations to an HTTP response: whole, or streamed as SSE.
 
-Shared by completions and chat: the route renders steps into chunks (`chunk`) or a whole
-response (`whole`); this module starts the generations, merges their steps, and guarantees
+Shared by completions and chat: the route's `ResponseView` renders steps into chunks or a
+whole response; this module starts the generations, merges their steps, and guarantees
 every generation is released however the response ends (finished, failed, client gone).
 """
 
@@ -11,29 +11,37 @@ import asyncio
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from frontend.errors import GatewayError
 from frontend.generate import Generation, Step
 
 
+class ResponseView(Protocol):
+    """How one endpoint renders a request's steps: as stream chunks, or as one whole response."""
+
+    def chunk(self, index: int, step: Step) -> list[str]:
+        """The SSE data payloads (JSON) for one step of choice `index`."""
+
+    def whole(self, steps: list[list[Step]]) -> BaseModel:
+        """The whole response from every choice's steps."""
+
+    def usage_chunk(self) -> str:
+        """The last chunk of a stream that asked for usage."""
+
+
 async def serve(
-    raw: Request,
-    gens: list[Generation],
-    stream: bool,
-    include_usage: bool,
-    chunk: Callable[[int, Step], list[str]],
-    whole: Callable[[list[list[Step]]], Any],
-    usage_chunk: Callable[[], str],
+    raw: Request, gens: list[Generation], stream: bool, include_usage: bool, view: ResponseView
 ) -> Response:
     """Run the generations; a stream once every first token is in, else the whole response."""
     if not stream:
-        return await _unless_disconnected(raw, _collect(gens, whole))
+        return await _unless_disconnected(raw, _collect(gens, view.whole))
     try:
         firsts = await _unless_disconnected(raw, _start_all(gens))
     except BaseException as exc:
@@ -47,10 +55,10 @@ async def serve(
         try:
             async with aclosing(_merged_steps(gens, firsts)) as steps:
                 async for index, step in steps:
-                    for data in chunk(index, step):
+                    for data in view.chunk(index, step):
                         yield f"data: {data}\n\n"
             if include_usage:
-                yield f"data: {usage_chunk()}\n\n"
+                yield f"data: {view.usage_chunk()}\n\n"
         except GatewayError as exc:
             await _release_all(gens, error=True)
             yield f"data: {json.dumps(exc.body())}\n\n"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-_MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # most alternatives a request may ask for at each position
 
 
 @dataclass(frozen=True)
@@ -77,8 +77,8 @@ class SamplingParams:
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
             ),
             (
-                self.logprobs is None or 0 <= self.logprobs <= _MAX_LOGPROBS,
-                f"logprobs must be in [0, {_MAX_LOGPROBS}] (got {self.logprobs})",
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                f"logprobs must be in [0, {MAX_LOGPROBS}] (got {self.logprobs})",
             ),
             (self.seed is None or 0 <= self.seed < 2**63, f"seed must be in [0, 2**63) (got {self.seed})"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative token ids"),

@@ -16,6 +16,13 @@ import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
 
 
+class ChatTemplateError(ValueError):
+    """The chat template refused the messages (its `raise_exception`), or the model has none.
+
+    Its message is written for the user, so a server may show it; other errors from rendering
+    may carry internal text."""
+
+
 class Tokenizer:
     """Encodes text, decodes ids, renders chat; promises the same ids as AutoTokenizer."""
 
@@ -62,7 +69,7 @@ class Tokenizer:
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
     ) -> str:
         if not self.chat_template:
-            raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
+            raise ChatTemplateError("this model's tokenizer has no chat template; use /v1/completions")
         if self._template is None:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise_template_error
@@ -83,4 +90,4 @@ def _token_text(value: Any) -> str | None:
 
 
 def _raise_template_error(message: str) -> None:
-    raise ValueError(f"chat template: {message}")
+    raise ChatTemplateError(f"chat template: {message}")

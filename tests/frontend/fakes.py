@@ -8,11 +8,11 @@ decode fake stops a stream when its request is aborted.
 from __future__ import annotations
 
 import threading
-from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
 
+from splitserve import rpc
 from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 EOS_TOKEN_ID = 2
@@ -43,6 +43,7 @@ class Script:
 class FakePrefill(prefill_pb2_grpc.PrefillServicer):
     script: Script
     fail_with: grpc.StatusCode | None = None
+    crash_with: Exception | None = None  # raised from Prefill: gRPC answers UNKNOWN with its text
     requests: list[prefill_pb2.PrefillRequest] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     aborted: threading.Event = field(default_factory=threading.Event)
@@ -54,6 +55,8 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         self.arrived.set()
         if self.fail_with is not None:
             context.abort(self.fail_with, "fake prefill failure")
+        if self.crash_with is not None:
+            raise self.crash_with
         if self.hold is not None:
             self.hold.wait(30)
         first = self.script.token_ids[0]
@@ -198,7 +201,7 @@ class FakeWorkerServer:
     """A real gRPC server on 127.0.0.1 (free port) hosting fake servicers (both: a colocated worker)."""
 
     def __init__(self, *servicers: FakePrefill | FakeDecode) -> None:
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+        self.server = rpc.make_server(max_workers=16)  # the workers' options, keepalive policy included
         for servicer in servicers:
             if isinstance(servicer, FakePrefill):
                 prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, self.server)

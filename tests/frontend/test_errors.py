@@ -42,6 +42,9 @@ def _assert_no_worker_touched(gateway: Gateway) -> None:
         ({"prompt": "hi", "best_of": 3}, "best_of", "best_of"),
         ({"prompt": "hi", "logit_bias": {"5": 1.0}}, "logit_bias", "logit_bias"),
         ({"prompt": [999999]}, "prompt", "out of range"),
+        ({"prompt": "hi", "stop_token_ids": [5, 2048]}, "stop_token_ids", "the vocabulary has 2048 tokens"),
+        ({"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids", "non-negative"),
+        ({"prompt": "hi", "stop": [f"s{i}" for i in range(17)]}, "stop", "at most 16"),
     ],
 )
 def test_bad_completion_requests_get_a_400_naming_the_field(gateway: Gateway, body, param, words):
@@ -71,6 +74,49 @@ def test_bad_chat_requests_get_a_400(gateway: Gateway, body, param):
     assert response.status_code == 400
     assert _error(response)["param"] == param
     _assert_no_worker_touched(gateway)
+
+
+USER_HI = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"messages": [USER_HI], "logprobs": True, "top_logprobs": 50}, "top_logprobs", "[0, 20] (got 50)"),
+        ({"messages": [USER_HI], "logprobs": True, "top_logprobs": -1}, "top_logprobs", "[0, 20]"),
+        ({"messages": [USER_HI], "stop_token_ids": [4096]}, "stop_token_ids", "vocabulary has 2048"),
+        (
+            {"messages": [{"role": "bogus", "content": "hi"}]},
+            "messages.0.role",
+            "system, developer, user, assistant",
+        ),
+        ({"messages": [USER_HI, {"role": "assistant", "content": None}]}, "messages.1.content", "not null"),
+        ({"messages": [USER_HI, {"role": "assistant"}]}, "messages.1.content", "not null"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "messages.0.content",
+            "string 'text'",
+        ),
+    ],
+)
+def test_bad_chat_fields_get_a_400_naming_the_field_and_its_limit(gateway: Gateway, body, param, words):
+    with gateway.http() as http:
+        response = http.post("/v1/chat/completions", json={"model": MODEL, **body})
+    assert response.status_code == 400, response.text
+    error = _error(response)
+    assert error["param"] == param
+    assert words in error["message"], error["message"]
+    _assert_no_worker_touched(gateway)
+
+
+def test_an_assistant_message_with_tool_calls_and_null_content_is_refused_by_index(gateway: Gateway):
+    tool_call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [USER_HI, {"role": "assistant", "content": None, "tool_calls": [tool_call]}, USER_HI]
+    with gateway.http() as http:
+        response = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages})
+    assert response.status_code == 400
+    error = _error(response)
+    assert error["param"] == "messages.1.content" and "tool calls" in error["message"]
 
 
 def test_invalid_json_gets_a_400(gateway: Gateway):
@@ -226,3 +272,38 @@ def test_token_id_prompts_work_without_a_tokenizer(tmp_path, script):
             )
         with pytest.raises(openai.BadRequestError):
             gateway.openai().completions.create(model=MODEL, prompt=[5], stop=["x"])
+
+
+def test_an_exception_in_the_gateway_is_a_500_without_its_text(gateway: Gateway, caplog):
+    def broken(num_prompt_tokens: int, max_tokens: int) -> list[str]:
+        raise RuntimeError("secret detail at /opt/gateway/router.py")
+
+    gateway.router.rank_decode = broken  # type: ignore[method-assign]
+    with gateway.http() as http:
+        response = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    assert response.status_code == 500
+    message = _error(response)["message"]
+    assert "secret" not in message and "RuntimeError" not in message
+    error_id = message.rsplit(" ", 1)[-1]
+    assert any(error_id in r.getMessage() and r.exc_info for r in caplog.records), "not logged"
+
+
+def test_an_exception_in_a_worker_is_a_503_without_its_text(gateway: Gateway):
+    gateway.prefill.crash_with = RuntimeError("secret detail at /opt/worker/engine.py")
+    with gateway.http() as http:
+        response = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    assert response.status_code == 503
+    error = _error(response)
+    assert "secret" not in error["message"] and "UNKNOWN" in error["message"]
+    assert gateway.decode.aborts == [gateway.decode.reserves[0].request_id]
+
+
+def test_a_chat_template_failure_is_a_400_without_the_exception_text(gateway: Gateway):
+    body = {"model": MODEL, "messages": [USER_HI], "chat_template_kwargs": {"messages": []}}
+    with gateway.http() as http:
+        response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    error = _error(response)
+    assert error["param"] == "messages"
+    assert "multiple values" not in error["message"] and "TypeError" not in error["message"]
+    _assert_no_worker_touched(gateway)

@@ -1,0 +1,59 @@
+"""POST /v1/completions: one choice per prompt, all run at once, whole or streamed."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+
+from frontend.generate import Generation, Step
+from frontend.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from frontend.responses import TokenRenderer, concat_steps, usage_of
+from frontend.routes.generations import generations_for
+from frontend.routes.state import PipelineDep
+from frontend.serving import serve
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, raw: Request, pipeline: PipelineDep) -> Response:
+    request_id, gens = await generations_for(pipeline, body, "cmpl")
+    renderers = [TokenRenderer(pipeline.tokenizer, body.return_tokens_as_token_ids, 0) for _ in gens]
+    view = CompletionView(request_id, pipeline.settings.model_name, gens, renderers)
+    return await serve(raw, gens, body.stream, body.include_usage, view)
+
+
+class CompletionView:
+    """Renders a completions request's steps: a chunk per step, or one whole response.
+
+    One `TokenRenderer` per choice, as each keeps its own text offset for logprobs."""
+
+    def __init__(
+        self, request_id: str, model_name: str, gens: list[Generation], renderers: list[TokenRenderer]
+    ) -> None:
+        self.request_id = request_id
+        self.model_name = model_name
+        self.gens = gens
+        self.renderers = renderers
+
+    def chunk(self, index: int, step: Step) -> list[str]:
+        return [self._response([self._choice(index, step)]).model_dump_json()]
+
+    def whole(self, steps: list[list[Step]]) -> CompletionResponse:
+        choices = [self._choice(i, concat_steps(s)) for i, s in enumerate(steps)]
+        return self._response(choices, with_usage=True)
+
+    def usage_chunk(self) -> str:
+        return self._response([], with_usage=True).model_dump_json()
+
+    def _choice(self, index: int, step: Step) -> CompletionChoice:
+        return CompletionChoice(
+            index=index,
+            text=step.text,
+            logprobs=self.renderers[index].completion_logprobs(step),
+            finish_reason=step.finish_reason,
+            stop_reason=step.stop_reason,
+        )
+
+    def _response(self, choices: list[CompletionChoice], with_usage: bool = False) -> CompletionResponse:
+        usage = usage_of(self.gens) if with_usage else None
+        return CompletionResponse(id=self.request_id, model=self.model_name, choices=choices, usage=usage)

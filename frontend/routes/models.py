@@ -1,0 +1,17 @@
+"""GET /v1/models: the one model this gateway serves, with its context length."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from frontend.protocol import ModelCard, ModelList
+from frontend.routes.state import PipelineDep
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def models(pipeline: PipelineDep) -> ModelList:
+    settings = pipeline.settings
+    card = ModelCard(id=settings.model_name, root=settings.model_path, max_model_len=settings.max_model_len)
+    return ModelList(data=[card])
