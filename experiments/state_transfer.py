@@ -19,7 +19,7 @@ from splitserve.engine.state_codec import decode, encode, seal
 from splitserve.engine.state_transfer import MLA_KV, LayerState
 from splitserve.rpc import make_channel, start_server
 from splitserve.v1 import store_pb2, store_pb2_grpc
-from state_store.info import StoreConfig
+from state_store.config import StoreConfig
 from state_store.servicer import StateStoreServicer
 from state_store.store import StateStore
 

@@ -3,7 +3,7 @@
 One place decides the message limits, how a server binds (port 0 picks a free port and the real
 one comes back), that every server answers the standard `grpc.health.v1` health checks, and how
 channels are opened. State chunks stay under gRPC's 4 MiB default regardless of these limits
-(state_store.chunk.MAX_CHUNK_BYTES), so they also pass peers that keep the default.
+(splitserve.state.MAX_CHUNK_BYTES), so they also pass peers that keep the default.
 """
 
 from __future__ import annotations

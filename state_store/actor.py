@@ -8,7 +8,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from state_store.info import StoreConfig
+from state_store.config import StoreConfig
 from state_store.server import StateStoreServer
 from state_store.store import StateStore
 

@@ -8,9 +8,10 @@ import threading
 from collections.abc import Hashable
 from pathlib import Path
 
-from state_store.errors import CorruptStateError
+from splitserve.state.errors import CorruptStateError
+from splitserve.state.records import TierStats
 from state_store.lru import LruIndex
-from state_store.tier import Evicted, Tier, TierStats
+from state_store.tier import Evicted, Tier
 from state_store.tier_directory import ClaimedDirectory, reclaim_abandoned
 
 

@@ -7,8 +7,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from state_store.chunk import ChunkId, ChunkMeta
-from state_store.errors import StateStoreError, StateTimeoutError
+from splitserve.state.chunk import ChunkId, ChunkMeta
+from splitserve.state.errors import StateStoreError, StateTimeoutError
 
 Gone = tuple[type[StateStoreError], str]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable
 
-from state_store.errors import TierFullError
+from splitserve.state.errors import TierFullError
 
 
 class LruIndex:

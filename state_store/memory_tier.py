@@ -5,8 +5,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Hashable
 
+from splitserve.state.records import TierStats
 from state_store.lru import LruIndex
-from state_store.tier import Evicted, Tier, TierStats
+from state_store.tier import Evicted, Tier
 
 
 class MemoryTier(Tier):

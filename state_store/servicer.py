@@ -5,25 +5,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from typing import NoReturn
 
 import grpc
 
+from splitserve.state.errors import StateStoreError
+from splitserve.state.status import abort_with_error
+from splitserve.state.wire import chunk_from_proto, chunk_to_proto, is_seal, key_info_to_proto, stats_to_proto
 from splitserve.v1 import common_pb2, store_pb2, store_pb2_grpc
-from state_store.errors import StateStoreError
 from state_store.store import StateStore
-from state_store.wire import chunk_from_proto, chunk_to_proto, is_seal, key_info_to_proto, stats_to_proto
 
-ERROR_TYPE_KEY = "splitserve-error-type"  # trailing metadata: the exception class, for the client
 SERVICE_NAME = store_pb2.DESCRIPTOR.services_by_name["StateStore"].full_name
-
-
-def abort(context: grpc.ServicerContext, error: Exception) -> NoReturn:
-    """Ends the RPC with the error's status code, message and class name."""
-    code = getattr(grpc.StatusCode, getattr(error, "grpc_code", "INVALID_ARGUMENT"))
-    context.set_trailing_metadata(((ERROR_TYPE_KEY, type(error).__name__),))
-    context.abort(code, str(error))
-    raise AssertionError("unreachable: context.abort raises")
 
 
 class StateStoreServicer(store_pb2_grpc.StateStoreServicer):
@@ -51,7 +42,7 @@ class StateStoreServicer(store_pb2_grpc.StateStoreServicer):
                 num_chunks += 1
                 num_bytes += len(chunk.data)
         except (StateStoreError, ValueError) as e:
-            abort(context, e)
+            abort_with_error(context, e)
         return store_pb2.PutResponse(num_chunks=num_chunks, num_bytes=num_bytes)
 
     def Get(
@@ -76,7 +67,7 @@ class StateStoreServicer(store_pb2_grpc.StateStoreServicer):
             for chunk in chunks:
                 yield chunk_to_proto(chunk)
         except (StateStoreError, ValueError) as e:
-            abort(context, e)
+            abort_with_error(context, e)
 
     def Lookup(
         self, request: store_pb2.LookupRequest, context: grpc.ServicerContext
@@ -93,7 +84,7 @@ class StateStoreServicer(store_pb2_grpc.StateStoreServicer):
         try:
             self.store.register(list(request.prefix.hashes), request.key)
         except (StateStoreError, ValueError) as e:
-            abort(context, e)
+            abort_with_error(context, e)
         return store_pb2.RegisterResponse()
 
     def Renew(
@@ -102,7 +93,7 @@ class StateStoreServicer(store_pb2_grpc.StateStoreServicer):
         try:
             remaining_s = self.store.renew(request.key, request.lease_s)
         except (StateStoreError, ValueError) as e:
-            abort(context, e)
+            abort_with_error(context, e)
         return store_pb2.RenewResponse(lease_expiry_unix_s=time.time() + remaining_s)
 
     def Release(
@@ -117,7 +108,7 @@ class StateStoreServicer(store_pb2_grpc.StateStoreServicer):
             else:
                 result = self.store.release(key=request.key)
         except (StateStoreError, ValueError) as e:
-            abort(context, e)
+            abort_with_error(context, e)
         return store_pb2.ReleaseResponse(num_keys=result.num_keys, num_bytes=result.num_bytes)
 
     def Stats(self, request: store_pb2.StatsRequest, context: grpc.ServicerContext) -> store_pb2.StoreStats:

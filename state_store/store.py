@@ -6,11 +6,9 @@ import threading
 import time
 from collections.abc import Collection, Iterator, Sequence
 
-from state_store import checksum
-from state_store.chunk import MAX_CHUNK_BYTES, Chunk, ChunkMeta
-from state_store.disk_tier import DiskTier
-from state_store.entry import Entry, Tombstones
-from state_store.errors import (
+from splitserve.state import checksum
+from splitserve.state.chunk import MAX_CHUNK_BYTES, Chunk, ChunkMeta
+from splitserve.state.errors import (
     CorruptStateError,
     InvalidChunkError,
     KeySealedError,
@@ -23,7 +21,10 @@ from state_store.errors import (
     StateTimeoutError,
     StoreFullError,
 )
-from state_store.info import KeyInfo, ReleaseResult, StoreConfig, StoreStats
+from splitserve.state.records import KeyInfo, ReleaseResult, StoreStats
+from state_store.config import StoreConfig
+from state_store.disk_tier import DiskTier
+from state_store.entry import Entry, Tombstones
 from state_store.leases import Clock, LeaseTable
 from state_store.memory_tier import MemoryTier
 from state_store.prefix_index import PrefixIndex
@@ -93,7 +94,7 @@ class StateStore:
         if len(chunk.data) > self.max_chunk_bytes:
             raise InvalidChunkError(
                 f"{meta.describe()} is {len(chunk.data)} bytes, over the store's {self.max_chunk_bytes}; "
-                "split it with state_store.chunk.make_chunks"
+                "split it with splitserve.state.make_chunks"
             )
         try:
             checksum.verify(chunk.data, meta.checksum, f"{meta.describe()} as received")

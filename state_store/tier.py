@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Hashable
-from dataclasses import dataclass
 from typing import NamedTuple
+
+from splitserve.state.records import TierStats
 
 
 class Evicted(NamedTuple):
@@ -14,15 +15,6 @@ class Evicted(NamedTuple):
 
     oid: Hashable
     data: bytes | None
-
-
-@dataclass(frozen=True)
-class TierStats:
-    name: str
-    num_bytes: int
-    capacity_bytes: int
-    num_objects: int
-    num_pinned: int
 
 
 class Tier(ABC):

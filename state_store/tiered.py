@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from state_store.chunk import ChunkId
-from state_store.errors import StoreFullError, TierFullError
-from state_store.tier import Tier, TierStats
+from splitserve.state.chunk import ChunkId
+from splitserve.state.errors import StoreFullError, TierFullError
+from splitserve.state.records import TierStats
+from state_store.tier import Tier
 
 
 class TieredStorage:

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import ray
 
+from splitserve.state.client import StateStoreClient
+from splitserve.state.errors import StateUnavailableError
 from state_store.actor import StateStoreActor, get_or_create_store_actor, store_actor_name
-from state_store.client import StateStoreClient
-from state_store.errors import StateUnavailableError
-from state_store.info import StoreConfig
+from state_store.config import StoreConfig
 from tests.state_store.conftest import make_chunk
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from state_store.chunk import Chunk
+from splitserve.state.chunk import Chunk
+from splitserve.state.errors import CorruptStateError
 from state_store.disk_tier import DiskTier
-from state_store.errors import CorruptStateError
 from state_store.memory_tier import MemoryTier
 from state_store.store import StateStore
 from tests.state_store.conftest import make_chunk

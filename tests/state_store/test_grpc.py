@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 
+import grpc
 import pytest
 
 from splitserve import rpc
-from state_store.chunk import MAX_CHUNK_BYTES, Chunk, StateKind, make_chunks
-from state_store.client import StateStoreClient
-from state_store.disk_tier import DiskTier
-from state_store.errors import (
+from splitserve.state.chunk import MAX_CHUNK_BYTES, Chunk, StateKind, make_chunks
+from splitserve.state.client import StateStoreClient
+from splitserve.state.errors import (
     CorruptStateError,
     InvalidChunkError,
     OwnershipError,
@@ -22,30 +20,10 @@ from state_store.errors import (
     StateTimeoutError,
     StateUnavailableError,
 )
-from state_store.memory_tier import MemoryTier
+from splitserve.state.status import status_code
 from state_store.server import StateStoreServer
 from state_store.servicer import SERVICE_NAME
-from state_store.store import StateStore
-from tests.state_store.conftest import make_chunk
-
-GRPC_DEFAULT_LIMIT = 4 << 20
-WAIT_S = 10.0
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[StateStoreServer]:
-    store = StateStore(MemoryTier(8 << 20), DiskTier(tmp_path, 64 << 20))
-    # Both ends keep gRPC's default 4 MiB limit: any message over it would fail the test.
-    served = StateStoreServer(store, "127.0.0.1", 0, max_message_bytes=GRPC_DEFAULT_LIMIT)
-    yield served
-    served.stop(grace_s=0)
-    store.close()
-
-
-@pytest.fixture
-def client(server: StateStoreServer) -> Iterator[StateStoreClient]:
-    with StateStoreClient(server.address, max_message_bytes=GRPC_DEFAULT_LIMIT, timeout_s=WAIT_S) as made:
-        yield made
+from tests.state_store.conftest import GRPC_DEFAULT_LIMIT, WAIT_S, make_chunk
 
 
 def big_state(key: str, num_mib: int = 24) -> tuple[bytes, list[Chunk]]:
@@ -124,7 +102,7 @@ def test_store_errors_arrive_as_the_same_exception_types(client: StateStoreClien
 
 
 def test_chunks_over_the_store_limit_are_refused(client: StateStoreClient) -> None:
-    with pytest.raises(InvalidChunkError, match="split it with state_store.chunk.make_chunks"):
+    with pytest.raises(InvalidChunkError, match="split it with splitserve.state.make_chunks"):
         client.put([make_chunk("req", size=MAX_CHUNK_BYTES + 1)], owner="w")
 
 
@@ -168,7 +146,8 @@ def test_an_unreachable_store_raises_unavailable() -> None:
         port = probe.getsockname()[1]
     client = StateStoreClient(f"127.0.0.1:{port}", timeout_s=WAIT_S)
     try:
-        with pytest.raises(StateUnavailableError, match="UNAVAILABLE"):
+        with pytest.raises(StateUnavailableError, match="UNAVAILABLE") as err:
             client.stats()
+        assert status_code(err.value) == grpc.StatusCode.UNAVAILABLE  # passed on, it keeps its status
     finally:
         client.close()

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from state_store.errors import LeaseExpiredError, StateNotFoundError
+from splitserve.state.errors import LeaseExpiredError, StateNotFoundError
 from state_store.leases import LeaseTable
 from state_store.memory_tier import MemoryTier
 from state_store.store import StateStore

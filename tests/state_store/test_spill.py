@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from splitserve.state.errors import StateEvictedError, StoreFullError
 from state_store.disk_tier import DiskTier
-from state_store.errors import StateEvictedError, StoreFullError
 from state_store.memory_tier import MemoryTier
 from state_store.store import StateStore
 from tests.state_store.conftest import make_chunk

@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from state_store.chunk import DEFAULT_CHUNK_BYTES, StateKind, make_chunks
-from state_store.errors import KeySealedError, OwnershipError, StateReleasedError
+from splitserve.state.chunk import DEFAULT_CHUNK_BYTES, StateKind, make_chunks
+from splitserve.state.errors import KeySealedError, OwnershipError, StateReleasedError
 from state_store.memory_tier import MemoryTier
 from state_store.store import StateStore
 from tests.state_store.conftest import FakeClock, make_chunk

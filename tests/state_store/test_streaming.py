@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from state_store.chunk import Chunk
-from state_store.errors import StateNotFoundError, StateReleasedError, StateTimeoutError
+from splitserve.state.chunk import Chunk
+from splitserve.state.errors import StateNotFoundError, StateReleasedError, StateTimeoutError
 from state_store.memory_tier import MemoryTier
 from state_store.store import StateStore
 from tests.state_store.conftest import make_chunk

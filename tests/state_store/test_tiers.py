@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from splitserve.state.errors import TierFullError
 from state_store.disk_tier import DiskTier
-from state_store.errors import TierFullError
 from state_store.memory_tier import MemoryTier
 from state_store.tier import Tier
 

@@ -1,4 +1,4 @@
-"""The store, its gRPC layer, its actor and splitserve.rpc load without torch."""
+"""The store, its gRPC layer, its actor, the shared state vocabulary and splitserve.rpc load without torch."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def test_state_store_and_rpc_modules_import_without_torch() -> None:
     modules = [
         "state_store",
-        "state_store.client",
         "state_store.server",
         "state_store.actor",
+        "splitserve.state",
+        "splitserve.state.client",
         "splitserve.rpc",
     ]
     code = (

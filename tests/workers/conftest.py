@@ -11,7 +11,7 @@ from splitserve.engine_config import EngineConfig
 from splitserve.rpc import start_server
 from splitserve.tiny_model import make_tiny_model
 from splitserve.v1 import store_pb2_grpc
-from state_store.info import StoreConfig
+from state_store.config import StoreConfig
 from state_store.servicer import StateStoreServicer
 from state_store.store import StateStore
 

@@ -9,14 +9,13 @@ import pytest
 
 from splitserve import LLM, SamplingParams
 from splitserve.rpc import make_channel
+from splitserve.state.client import StateStoreClient
 from splitserve.v1 import (
     common_pb2,
     decode_pb2,
     decode_pb2_grpc,
     prefill_pb2,
     prefill_pb2_grpc,
-    store_pb2,
-    store_pb2_grpc,
 )
 from splitserve.wire import sampling_params_to_proto
 from tests.workers.client import generate
@@ -61,8 +60,8 @@ def test_every_resource_is_freed_after_the_requests(cluster, store_server, offli
         assert stats["num_running"] == stats["num_reserved"] == stats["num_waiting"] == 0
         assert stats["num_free_kv_blocks"] == stats["num_total_kv_blocks"]
         assert stats["num_free_state_slots"] == stats["num_total_state_slots"]
-    with make_channel(store_server[1]) as ch:
-        store_stats = store_pb2_grpc.StateStoreStub(ch).Stats(store_pb2.StatsRequest(), timeout=10)
+    with StateStoreClient(store_server[1]) as store:
+        store_stats = store.stats()
     assert store_stats.num_keys == 0
     assert all(t.num_bytes == 0 for t in store_stats.tiers)
 

@@ -2,7 +2,8 @@
 
 Torch-free: a chunk is bytes plus dtype name and shape. A state object is every chunk sharing
 (key, layer, kind); chunk i holds rows of dim 0, and concatenating them in chunk order along dim 0
-gives the tensor back. `make_chunks` does the split so no chunk exceeds the wire's limits.
+gives the tensor back. `make_chunks` does the split so no chunk exceeds the wire's limits; it is
+the only chunker (the engine's state_codec hands it a tensor's bytes).
 """
 
 from __future__ import annotations
@@ -13,35 +14,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from state_store import checksum
-from state_store.errors import InvalidChunkError
+from splitserve.state import checksum
+from splitserve.state.dtypes import DTYPE_ITEMSIZE
+from splitserve.state.errors import InvalidChunkError
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # what writers split at: well under gRPC's 4 MiB message limit
 MAX_CHUNK_BYTES = 3 << 20  # what the store accepts: a 4 MiB message keeps 1 MiB for metadata
 
-DTYPE_ITEMSIZE: dict[str, int] = {
-    "float64": 8,
-    "float32": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int64": 8,
-    "int32": 4,
-    "int16": 2,
-    "int8": 1,
-    "uint8": 1,
-    "bool": 1,
-}
-
 
 class StateKind(str, enum.Enum):
-    """Which part of a layer's state a chunk holds (values match splitserve.engine.state_transfer)."""
+    """Which part of a layer's state a chunk holds (proto: splitserve.v1.StateKind)."""
 
-    MLA_KV = "mla_kv"
-    KDA_CONV = "kda_conv"
-    KDA_RECURRENT = "kda_recurrent"
-    REPLAY_RING = "replay_ring"
+    MLA_KV = "mla_kv"  # MLA latent KV + shared rope key; rows are tokens
+    KDA_CONV = "kda_conv"  # KDA short-convolution window of one request's slot
+    KDA_RECURRENT = "kda_recurrent"  # KDA recurrent state of one request's slot
 
 
 class ChunkId(NamedTuple):
@@ -123,7 +109,7 @@ def make_chunks(
     key: str,
     layer: int,
     kind: StateKind | str,
-    data: bytes,
+    data: bytes | bytearray | memoryview,
     *,
     dtype: str,
     shape: Sequence[int],
@@ -133,17 +119,20 @@ def make_chunks(
 ) -> list[Chunk]:
     """Splits one tensor's bytes along dim 0 into checksummed chunks of at most `max_chunk_bytes`.
 
-    MLA KV rows are tokens, so each MLA chunk gets the token range of its rows; every other kind
-    is a state at one point, and all its chunks carry the whole range.
+    `data` may be any C-contiguous buffer (a memoryview of a tensor's memory too): each chunk's
+    bytes are copied out of it once, and nothing else is. MLA KV rows are tokens, so each MLA
+    chunk gets the token range of its rows; every other kind is a state at one point, and all its
+    chunks carry the whole range.
     """
     kind = StateKind(kind)
     shape = tuple(int(d) for d in shape)
     if dtype not in DTYPE_ITEMSIZE:
         raise InvalidChunkError(f"dtype {dtype!r} unknown; use one of {sorted(DTYPE_ITEMSIZE)}")
+    view = memoryview(data).cast("B")
     num_rows = shape[0] if shape else 1
     row_bytes = math.prod(shape[1:]) * DTYPE_ITEMSIZE[dtype] if shape else DTYPE_ITEMSIZE[dtype]
-    if len(data) != num_rows * row_bytes:
-        raise InvalidChunkError(f"{len(data)} bytes do not hold shape {shape} of {dtype}")
+    if view.nbytes != num_rows * row_bytes:
+        raise InvalidChunkError(f"{view.nbytes} bytes do not hold shape {shape} of {dtype}")
     if kind is StateKind.MLA_KV and num_rows != token_end - token_start:
         raise InvalidChunkError(f"MLA KV has {num_rows} rows for tokens [{token_start}, {token_end})")
     if row_bytes > max_chunk_bytes:
@@ -156,7 +145,7 @@ def make_chunks(
     chunks = []
     for index, row in enumerate(starts):
         end = min(row + rows_per_chunk, num_rows)
-        piece = data[row * row_bytes : end * row_bytes]
+        piece = view[row * row_bytes : end * row_bytes]
         tokens = (
             (token_start + row, token_start + end) if kind is StateKind.MLA_KV else (token_start, token_end)
         )
@@ -164,5 +153,5 @@ def make_chunks(
         meta = ChunkMeta(
             key, layer, kind, dtype, chunk_shape, *tokens, checksum.compute(piece), index, len(starts)
         )
-        chunks.append(Chunk(meta, piece))
+        chunks.append(Chunk(meta, piece.tobytes()))
     return chunks

@@ -1,20 +1,21 @@
-"""The store's Python records <-> the messages of proto/store.proto and proto/common.proto."""
+"""State chunks and store records <-> the messages of proto/splitserve/v1/{common,store}.proto.
+
+The one place a `StateKind` meets its proto enum; the store's servicer and its client both use it.
+"""
 
 from __future__ import annotations
 
 import time
 
+from splitserve.state.chunk import Chunk, ChunkMeta, StateKind
+from splitserve.state.errors import InvalidChunkError
+from splitserve.state.records import KeyInfo, StoreStats, TierStats
 from splitserve.v1 import common_pb2, store_pb2
-from state_store.chunk import Chunk, ChunkMeta, StateKind
-from state_store.errors import InvalidChunkError
-from state_store.info import KeyInfo, StoreStats
-from state_store.tier import TierStats
 
 KIND_TO_PROTO = {
     StateKind.MLA_KV: common_pb2.STATE_KIND_MLA_KV,
     StateKind.KDA_CONV: common_pb2.STATE_KIND_KDA_CONV,
     StateKind.KDA_RECURRENT: common_pb2.STATE_KIND_KDA_RECURRENT,
-    StateKind.REPLAY_RING: common_pb2.STATE_KIND_REPLAY_RING,
 }
 KIND_FROM_PROTO = {v: k for k, v in KIND_TO_PROTO.items()}
 _COUNTERS = (

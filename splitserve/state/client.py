@@ -1,4 +1,4 @@
-"""A Python client of a remote StateStore that speaks the core store's API and errors."""
+"""A Python client of a remote StateStore that speaks the core store's API and raises its errors."""
 
 from __future__ import annotations
 
@@ -8,43 +8,23 @@ from typing import TypeVar
 import grpc
 
 from splitserve import rpc
+from splitserve.state.chunk import Chunk
+from splitserve.state.records import KeyInfo, ReleaseResult, StoreStats
+from splitserve.state.status import error_from_rpc
+from splitserve.state.streams import ChunkStream, PutStream
+from splitserve.state.wire import chunk_to_proto, key_info_from_proto, seal_message, stats_from_proto
 from splitserve.v1 import common_pb2, store_pb2, store_pb2_grpc
-from state_store import checksum
-from state_store.chunk import Chunk
-from state_store.errors import ERRORS_BY_NAME, StateStoreError, StateUnavailableError
-from state_store.info import KeyInfo, ReleaseResult, StoreStats
-from state_store.servicer import ERROR_TYPE_KEY
-from state_store.wire import (
-    chunk_from_proto,
-    chunk_to_proto,
-    key_info_from_proto,
-    seal_message,
-    stats_from_proto,
-)
 
 T = TypeVar("T")
-
-
-def translate(error: grpc.RpcError) -> Exception:
-    """The store exception a failed RPC stands for (the server names its class), else a
-    `StateStoreError` (or `StateUnavailableError` when the server could not be reached)."""
-    trailing = dict(error.trailing_metadata() or ())  # type: ignore[attr-defined]
-    name = trailing.get(ERROR_TYPE_KEY)
-    details = error.details()  # type: ignore[attr-defined]
-    if name == "ValueError":
-        return ValueError(details)
-    if name in ERRORS_BY_NAME:
-        return ERRORS_BY_NAME[name](details)
-    code = error.code()  # type: ignore[attr-defined]
-    cls = StateUnavailableError if code == grpc.StatusCode.UNAVAILABLE else StateStoreError
-    return cls(f"state store RPC failed: {code.name}: {details}")
+DEADLINE_GRACE_S = 5.0  # a Get's own deadline trails the store's timeout, whose error says more
 
 
 class StateStoreClient:
     """One channel to one store server. Methods mirror `StateStore`'s and raise its errors.
 
     Owns the channel (`close`, or use as a context manager). Thread-safe: gRPC channels and stubs
-    are. Unary calls take `timeout_s`; `put` and `get` stream without a deadline of their own.
+    are. Unary calls take `timeout_s`; `put` has no deadline of its own, `open_put` is bounded by
+    its `finish`, `get` by its `timeout_s`.
     """
 
     def __init__(
@@ -75,6 +55,10 @@ class StateStoreClient:
         reply = self._call(lambda: self._stub.Put(messages()))
         return reply.num_chunks, reply.num_bytes
 
+    def open_put(self, key: str, *, owner: str, lease_s: float | None = None) -> PutStream:
+        """A Put of `key` that stays open: `write` chunks as they are made, then `finish` or `cancel`."""
+        return PutStream(self._stub, key, owner, lease_s)
+
     def seal(self, key: str, *, owner: str) -> None:
         self._call(lambda: self._stub.Put(iter([seal_message(key, owner)]), timeout=self.timeout_s))
 
@@ -85,22 +69,18 @@ class StateStoreClient:
         layers: Collection[int] | None = None,
         timeout_s: float | None = None,
         wait_for_key: bool = False,
-    ) -> Iterator[Chunk]:
+    ) -> ChunkStream:
         """Streams `key`'s chunks as they land, until it is sealed; checksums are checked here too.
-        With `wait_for_key` a key not yet put is waited for rather than NOT_FOUND."""
+
+        With `wait_for_key` a key not yet put is waited for rather than NOT_FOUND. The store fails
+        the read with `StateTimeoutError` if the key is not sealed within `timeout_s`. The stream
+        can be cancelled from another thread (`ChunkStream.cancel`).
+        """
         request = store_pb2.GetRequest(
             key=key, layers=list(layers or ()), timeout_s=timeout_s or 0.0, wait_for_key=wait_for_key
         )
-        stream = self._stub.Get(request)
-        try:
-            for msg in stream:
-                chunk = chunk_from_proto(msg)
-                checksum.verify(chunk.data, chunk.meta.checksum, f"{chunk.meta.describe()} as received")
-                yield chunk
-        except grpc.RpcError as e:
-            raise translate(e) from None
-        finally:
-            stream.cancel()  # no-op once finished; frees the server's thread if we stop early
+        deadline_s = None if timeout_s is None else timeout_s + DEADLINE_GRACE_S
+        return ChunkStream(self._stub.Get(request, timeout=deadline_s))
 
     def lookup(self, key: str) -> KeyInfo | None:
         reply = self._call(
@@ -152,4 +132,4 @@ class StateStoreClient:
         try:
             return fn()
         except grpc.RpcError as e:
-            raise translate(e) from None
+            raise error_from_rpc(e) from None

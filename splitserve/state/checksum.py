@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import zlib
 
-from state_store.errors import CorruptStateError
+from splitserve.state.errors import CorruptStateError
 
 
 def compute(data: bytes | bytearray | memoryview) -> int:

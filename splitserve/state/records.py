@@ -1,0 +1,67 @@
+"""Plain records a store hands out, locally or over gRPC: what a key holds, what a release freed,
+what each tier and the whole store hold."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from splitserve.state.chunk import ChunkMeta
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    """What one stored key holds right now (metadata only)."""
+
+    key: str
+    owner: str
+    sealed: bool
+    num_bytes: int
+    lease_remaining_s: float
+    chunks: tuple[ChunkMeta, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return len({c.layer for c in self.chunks})
+
+
+class ReleaseResult(NamedTuple):
+    """What a release freed."""
+
+    num_keys: int
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """What one storage tier holds now."""
+
+    name: str
+    num_bytes: int
+    capacity_bytes: int
+    num_objects: int
+    num_pinned: int
+
+
+@dataclass
+class StoreStats:
+    """Counters since the store started, and what each tier holds now."""
+
+    tiers: list[TierStats] = field(default_factory=list)
+    num_keys: int = 0
+    num_hits: int = 0
+    num_misses: int = 0
+    num_prefix_hits: int = 0
+    num_spills: int = 0
+    num_evictions: int = 0
+    num_expiries: int = 0
+    num_releases: int = 0
+    num_corruptions: int = 0
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.num_bytes for t in self.tiers)
+
+    @property
+    def num_objects(self) -> int:
+        return sum(t.num_objects for t in self.tiers)
