@@ -29,16 +29,32 @@ def message_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> Options:
     ]
 
 
+# Clients ping a quiet connection this often, calls or not, to notice a dead peer on an idle stream.
+KEEPALIVE_TIME_MS = 30_000
+# Servers accept a ping every half keepalive interval, calls or not. gRPC's default policy (one
+# ping per 5 min, none without calls) counts our clients' pings as abuse and, after
+# MAX_PING_STRIKES of them, closes the connection with GOAWAY too_many_pings.
+MIN_RECV_PING_INTERVAL_MS = KEEPALIVE_TIME_MS // 2
+MAX_PING_STRIKES = 2  # gRPC's default, kept: a peer pinging faster than the policy is still cut off
+
+
 def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> Options:
-    # SO_REUSEPORT would let two servers share a port and silently split traffic.
-    return [*message_options(max_message_bytes), ("grpc.so_reuseport", 0)]
+    return [
+        *message_options(max_message_bytes),
+        ("grpc.so_reuseport", 0),  # SO_REUSEPORT would let two servers share a port and split traffic
+        ("grpc.keepalive_permit_without_calls", 1),
+        # GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS; an unknown key is silently ignored
+        ("grpc.http2.min_ping_interval_without_data_ms", MIN_RECV_PING_INTERVAL_MS),
+        ("grpc.http2.max_ping_strikes", MAX_PING_STRIKES),
+    ]
 
 
 def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> Options:
     return [
         *message_options(max_message_bytes),
-        ("grpc.keepalive_time_ms", 30_000),  # notice a dead peer on an idle stream
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
         ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),  # default 2 would stop pinging a quiet stream
     ]
 
 
