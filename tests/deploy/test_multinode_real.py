@@ -27,7 +27,7 @@ NUM_CPUS_PER_NODE = 2
 # other fits only on the other node. The head also holds its store (0.25) and the gateway (0.25).
 WORKER = {"num_cpus": 1.5, "kv_cache_memory_bytes": "16MiB", "max_num_seqs": 8}
 PROMPTS = [[3, 17, 99, 5], list(range(40, 140)), [7] * 33, [1999, 4, 250]]
-PARAMS = [
+PARAMS: list[dict[str, Any]] = [
     {"max_tokens": 6, "temperature": 0.0},
     {"max_tokens": 5, "temperature": 0.0},
     {"max_tokens": 6, "temperature": 0.9, "top_p": 0.95, "seed": 21},
