@@ -13,9 +13,10 @@ import grpc
 from decode_worker.state_reader import StateReader
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import RequestUpdate
-from splitserve.engine.state_codec import CorruptStateError
-from splitserve.rpc import abort, make_channel
-from splitserve.v1 import decode_pb2, decode_pb2_grpc, store_pb2, store_pb2_grpc
+from splitserve.rpc import abort
+from splitserve.state.client import StateStoreClient
+from splitserve.state.errors import CorruptStateError, StateStoreError
+from splitserve.v1 import decode_pb2, decode_pb2_grpc
 from splitserve.wire import logprobs_from_proto, sampling_params_from_proto
 from splitserve.worker.load import decode_stats
 from splitserve.worker.token_stream import stream_deltas
@@ -32,7 +33,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.loop = loop
         self.worker_id = worker_id
         self.store_address = store_address
-        self.store = store_pb2_grpc.StateStoreStub(make_channel(store_address))
+        self.store = StateStoreClient(store_address, timeout_s=10.0)
         self.state_timeout_s = state_timeout_s
         config = loop.engine.model_config
         self.num_states = len(config.mla_layer_ids) + 2 * len(config.kda_layer_ids)
@@ -81,15 +82,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         try:
             params = sampling_params_from_proto(request.sampling_params)
             reader.wait(self.state_timeout_s)
-        except ValueError as exc:
-            self._drop(rid, reader)
-            abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except CorruptStateError as exc:
             self._drop(rid, reader)
             abort(context, grpc.StatusCode.DATA_LOSS, f"state of {rid} is corrupt: {exc}")
-        except (TimeoutError, grpc.RpcError, RuntimeError) as exc:
+        except (TimeoutError, StateStoreError, RuntimeError) as exc:
             self._drop(rid, reader)
             abort(context, grpc.StatusCode.UNAVAILABLE, f"state of {rid} could not be read: {exc}")
+        except ValueError as exc:  # the sampling params, or state that does not fit the reservation
+            self._drop(rid, reader)
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         state_wait_s = time.time() - arrived
         updates: queue.Queue[RequestUpdate] = queue.Queue()
         self.loop.watch(rid, updates.put)
@@ -128,9 +129,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     def _release(self, key: str) -> None:
         try:
-            self.store.Release(store_pb2.ReleaseRequest(key=key), timeout=10)
-        except grpc.RpcError:
-            logger.warning("could not release state %s; its lease will free it", key)
+            self.store.release(key)
+        except StateStoreError as exc:
+            logger.warning("could not release state %s (%s); its lease will free it", key, exc)
 
     def _abort_engine(self, rid: str) -> None:
         self.loop.call(lambda e: e.abort_request(rid))

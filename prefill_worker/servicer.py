@@ -12,8 +12,11 @@ import grpc
 from prefill_worker.state_writer import NoStateWriter, StateWriter
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import HANDOFF, RequestUpdate
-from splitserve.rpc import abort, make_channel
-from splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc, store_pb2_grpc
+from splitserve.rpc import abort
+from splitserve.state.client import StateStoreClient
+from splitserve.state.errors import StateStoreError
+from splitserve.state.status import status_code
+from splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from splitserve.wire import FINISH_TO_PROTO, logprobs_to_proto, sampling_params_from_proto
 
 logger = logging.getLogger(__name__)
@@ -26,14 +29,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.loop = loop
         self.worker_id = worker_id
         self.request_timeout_s = request_timeout_s
-        self._stubs: dict[str, store_pb2_grpc.StateStoreStub] = {}
+        self._stores: dict[str, StateStoreClient] = {}  # one per decode target's store, kept open
         self._lock = threading.Lock()
 
-    def _store(self, address: str) -> store_pb2_grpc.StateStoreStub:
+    def _store(self, address: str) -> StateStoreClient:
         with self._lock:
-            if address not in self._stubs:
-                self._stubs[address] = store_pb2_grpc.StateStoreStub(make_channel(address))
-            return self._stubs[address]
+            if address not in self._stores:
+                self._stores[address] = StateStoreClient(address)
+            return self._stores[address]
 
     def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext
@@ -87,9 +90,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         put_started = time.time()
         try:
             writer.finish(timeout_s=30.0)
-        except grpc.RpcError as exc:  # the store's own status (DATA_LOSS, RESOURCE_EXHAUSTED...) travels on
-            code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNAVAILABLE
-            abort(context, code, f"writing state to {request.store_address} failed: {exc.details()}")  # type: ignore[attr-defined]
+        except StateStoreError as exc:  # the store's own status (DATA_LOSS, RESOURCE_EXHAUSTED...) travels on
+            abort(context, status_code(exc), f"writing state to {request.store_address} failed: {exc}")
         put_s = time.time() - put_started
         stream_s = writer.stream_s()
         req = update.request

@@ -1,96 +1,86 @@
-"""LayerState <-> `StateChunk` messages: raw little-endian bytes in chunks under gRPC's limit,
-each with a zlib.crc32 checksum (the store verifies it on put and on every read)."""
+"""LayerState <-> state `Chunk`s: a tensor's raw bytes, cut by splitserve.state's one chunker.
+
+Only tensors meet bytes here; checksums, kinds, dtypes and the wire live in `splitserve.state`.
+A dtype travels as torch's name (`float32`), listed in `splitserve.state.DTYPE_ITEMSIZE`, and
+comes back with `getattr(torch, name)`.
+"""
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
 
-from splitserve.engine.state_transfer import KDA_CONV, KDA_RECURRENT, MLA_KV, LayerState
-from splitserve.v1 import common_pb2
-
-CHUNK_BYTES = 1 << 20  # 1 MiB: far under gRPC's 4 MiB default message limit
-
-KIND_TO_PROTO = {
-    MLA_KV: common_pb2.STATE_KIND_MLA_KV,
-    KDA_CONV: common_pb2.STATE_KIND_KDA_CONV,
-    KDA_RECURRENT: common_pb2.STATE_KIND_KDA_RECURRENT,
-}
-KIND_FROM_PROTO = {v: k for k, v in KIND_TO_PROTO.items()}
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from splitserve.engine.state_transfer import LayerState
+from splitserve.state import DEFAULT_CHUNK_BYTES, Chunk, ChunkMeta, CorruptStateError, StateKind, make_chunks
 
 
-class CorruptStateError(RuntimeError):
-    """A state chunk's bytes do not match its checksum or its declared shape."""
+def encode(state: LayerState, key: str, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[Chunk]:
+    """`state` as `key`'s chunks along its first axis (rows stay whole).
 
-
-def encode(state: LayerState, key: str, owner: str, lease_s: float = 0.0) -> Iterator[common_pb2.StateChunk]:
-    """Split one layer state into chunks along its first axis (rows stay whole)."""
-    tensor = state.tensor.detach().contiguous().cpu()
-    dtype = str(tensor.dtype).removeprefix("torch.")
+    Lazy: nothing is cut or checksummed until the first chunk is asked for, so a writer can hand
+    the generator to a sending thread. The tensor's memory is read in place; each chunk's bytes
+    are its one copy.
+    """
+    tensor = state.tensor.detach().cpu().contiguous()
     if tensor.dim() == 0:
         tensor = tensor.reshape(1)
-    row_bytes = max(1, tensor[0].numel() * tensor.element_size()) if tensor.shape[0] else 1
-    rows_per_chunk = max(1, CHUNK_BYTES // row_bytes)
-    pieces = list(torch.split(tensor, rows_per_chunk)) or [tensor]
-    for index, piece in enumerate(pieces):
-        data = piece.view(torch.uint8).numpy().tobytes() if piece.numel() else b""
-        yield common_pb2.StateChunk(
-            key=key,
-            layer=state.layer_id,
-            kind=KIND_TO_PROTO[state.kind],
-            dtype=dtype,
-            shape=list(piece.shape),
-            token_start=state.token_start,
-            token_end=state.token_end,
-            checksum=zlib.crc32(data),
-            data=data,
-            chunk_index=index,
-            num_chunks=len(pieces),
-            owner=owner,
-            lease_s=lease_s,
+    data = tensor.reshape(-1).view(torch.uint8).numpy().data  # its bytes in place (numpy has no bfloat16)
+    yield from make_chunks(
+        key,
+        state.layer_id,
+        state.kind,
+        data,
+        dtype=str(tensor.dtype).removeprefix("torch."),
+        shape=tensor.shape,
+        token_start=state.token_start,
+        token_end=state.token_end,
+        max_chunk_bytes=max_chunk_bytes,
+    )
+
+
+def decode(chunks: Iterable[Chunk]) -> Iterator[LayerState]:
+    """Reassembles layer states from chunks in order per (layer, kind), as a Get streams them.
+
+    Yields each state as its last chunk lands. Raises `CorruptStateError` if the chunks of one
+    state do not add up (out of order, mixed dtypes or row shapes) or the stream ends mid-state.
+    """
+    pending: dict[tuple[int, StateKind], list[Chunk]] = {}
+    for chunk in chunks:
+        meta = chunk.meta
+        object_id = (meta.layer, meta.kind)
+        parts = pending.setdefault(object_id, [])
+        _check_continues(parts, meta)
+        parts.append(chunk)
+        if len(parts) == meta.num_chunks:
+            del pending[object_id]
+            first = parts[0].meta
+            yield LayerState(meta.layer, meta.kind, _tensor(parts), first.token_start, meta.token_end)
+    if pending:
+        raise CorruptStateError(f"state stream ended with {len(pending)} incomplete layer states")
+
+
+def _check_continues(parts: list[Chunk], meta: ChunkMeta) -> None:
+    first = parts[0].meta if parts else meta
+    if (
+        meta.chunk_index != len(parts)
+        or (meta.dtype, meta.shape[1:], meta.num_chunks) != (first.dtype, first.shape[1:], first.num_chunks)
+    ):
+        raise CorruptStateError(
+            f"{meta.describe()} ({meta.dtype} {meta.shape}) does not continue the {len(parts)} chunks "
+            f"before it ({first.dtype} {first.shape}); the state was written wrongly"
         )
 
 
-def seal(key: str, owner: str) -> common_pb2.StateChunk:
-    """The last message of a put stream: nothing more will be written under `key`."""
-    return common_pb2.StateChunk(key=key, owner=owner, final=True)
-
-
-def decode(chunks: Iterable[common_pb2.StateChunk]) -> Iterator[LayerState]:
-    """Reassemble layer states from chunks (in order per object); verify every checksum."""
-    pending: dict[tuple[int, int], list[torch.Tensor]] = {}
-    for chunk in chunks:
-        if chunk.final and chunk.kind == common_pb2.STATE_KIND_UNSPECIFIED:
-            continue  # a seal: the writer is done with the key
-        if zlib.crc32(chunk.data) != chunk.checksum:
-            raise CorruptStateError(
-                f"state chunk {chunk.key} layer {chunk.layer} #{chunk.chunk_index} failed its checksum"
-            )
-        dtype = _DTYPES.get(chunk.dtype)
-        if dtype is None or chunk.kind not in KIND_FROM_PROTO:
-            raise CorruptStateError(
-                f"state chunk with dtype {chunk.dtype!r} kind {chunk.kind} is not understood"
-            )
-        raw = torch.from_numpy(np.frombuffer(bytearray(chunk.data), dtype=np.uint8))
-        piece = raw.view(dtype)
-        if piece.numel() != int(np.prod(chunk.shape)):
-            raise CorruptStateError(
-                f"state chunk {chunk.key} layer {chunk.layer}: bytes do not fill its shape"
-            )
-        object_id = (chunk.layer, chunk.kind)
-        parts = pending.setdefault(object_id, [])
-        if chunk.chunk_index != len(parts):
-            raise CorruptStateError(f"state chunk {chunk.key} layer {chunk.layer}: chunk out of order")
-        parts.append(piece.reshape(tuple(chunk.shape)))
-        if len(parts) == chunk.num_chunks:
-            del pending[object_id]
-            tensor = torch.cat(parts) if len(parts) > 1 else parts[0]
-            yield LayerState(
-                chunk.layer, KIND_FROM_PROTO[chunk.kind], tensor, chunk.token_start, chunk.token_end
-            )
-    if pending:
-        raise CorruptStateError(f"state stream ended with {len(pending)} incomplete objects")
+def _tensor(parts: list[Chunk]) -> torch.Tensor:
+    """The chunks' bytes copied once into one new tensor (of the dtype and shape they describe)."""
+    first = parts[0].meta
+    shape = (sum(p.meta.shape[0] for p in parts), *first.shape[1:]) if first.shape else ()
+    out = torch.empty(sum(len(p.data) for p in parts), dtype=torch.uint8)
+    flat = out.numpy()
+    start = 0
+    for part in parts:
+        flat[start : start + len(part.data)] = np.frombuffer(part.data, dtype=np.uint8)
+        start += len(part.data)
+    return out.view(getattr(torch, first.dtype)).reshape(shape)

@@ -13,11 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.model.kimi_linear import LayerCaches
-
-MLA_KV = "mla_kv"
-KDA_CONV = "kda_conv"
-KDA_RECURRENT = "kda_recurrent"
-STATE_KINDS = (MLA_KV, KDA_CONV, KDA_RECURRENT)
+from splitserve.state import StateKind
 
 
 @dataclass(frozen=True)
@@ -25,7 +21,7 @@ class LayerState:
     """One tensor of one layer of one request's state, with the token range it covers."""
 
     layer_id: int
-    kind: str
+    kind: StateKind
     tensor: torch.Tensor
     token_start: int
     token_end: int
@@ -44,41 +40,37 @@ def extract_layer(
     """Copies (never views) of one layer's state, safe to ship while the engine keeps running."""
     if layer_id in caches.mla_kv:
         kv = caches.mla_kv[layer_id][rows.to(caches.mla_kv[layer_id].device)].cpu()
-        return [LayerState(layer_id, MLA_KV, kv, 0, num_tokens)]
+        return [LayerState(layer_id, StateKind.MLA_KV, kv, 0, num_tokens)]
+    conv = caches.kda_conv[layer_id][slot].cpu().clone()
+    recurrent = caches.kda_recurrent[layer_id][slot].cpu().clone()
     return [
-        LayerState(layer_id, KDA_CONV, caches.kda_conv[layer_id][slot].cpu().clone(), 0, num_tokens),
-        LayerState(
-            layer_id, KDA_RECURRENT, caches.kda_recurrent[layer_id][slot].cpu().clone(), 0, num_tokens
-        ),
+        LayerState(layer_id, StateKind.KDA_CONV, conv, 0, num_tokens),
+        LayerState(layer_id, StateKind.KDA_RECURRENT, recurrent, 0, num_tokens),
     ]
 
 
 def write_layer(caches: LayerCaches, state: LayerState, rows: torch.Tensor, slot: int) -> None:
     """Scatter one received layer state into reserved rows / slot; shapes and dtypes must match."""
-    if state.kind == MLA_KV:
-        target = caches.mla_kv.get(state.layer_id)
-        expected: tuple[int, ...] = (len(rows), *target.shape[1:]) if target is not None else ()
-    elif state.kind == KDA_CONV:
-        target = caches.kda_conv.get(state.layer_id)
-        expected = tuple(target.shape[1:]) if target is not None else ()
-    elif state.kind == KDA_RECURRENT:
-        target = caches.kda_recurrent.get(state.layer_id)
-        expected = tuple(target.shape[1:]) if target is not None else ()
-    else:
-        raise ValueError(f"unknown state kind {state.kind!r}; expected one of {STATE_KINDS}")
+    kind = StateKind(state.kind)
+    by_kind = {
+        StateKind.MLA_KV: caches.mla_kv,
+        StateKind.KDA_CONV: caches.kda_conv,
+        StateKind.KDA_RECURRENT: caches.kda_recurrent,
+    }
+    target = by_kind[kind].get(state.layer_id)
+    what = f"layer {state.layer_id} {kind.value}"
     if target is None:
-        raise ValueError(f"layer {state.layer_id} has no {state.kind} cache in this model")
+        raise ValueError(f"{what}: this model has no such cache")
+    expected = (len(rows), *target.shape[1:]) if kind is StateKind.MLA_KV else tuple(target.shape[1:])
     if tuple(state.tensor.shape) != expected:
-        raise ValueError(
-            f"layer {state.layer_id} {state.kind}: got shape {tuple(state.tensor.shape)}, expected {expected}"
-        )
+        raise ValueError(f"{what}: got shape {tuple(state.tensor.shape)}, expected {expected}")
     if state.tensor.dtype != target.dtype:
         raise ValueError(
-            f"layer {state.layer_id} {state.kind}: got {state.tensor.dtype}, this engine caches {target.dtype}; "
+            f"{what}: got {state.tensor.dtype}, this engine caches {target.dtype}; "
             "prefill and decode pools must run the same dtype"
         )
     value = state.tensor.to(target.device)
-    if state.kind == MLA_KV:
+    if kind is StateKind.MLA_KV:
         target[rows.to(target.device)] = value
     else:
         target[slot] = value

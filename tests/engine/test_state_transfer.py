@@ -7,8 +7,9 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.llm_engine import HANDOFF, LLMEngine
-from splitserve.engine.state_transfer import KDA_CONV, KDA_RECURRENT, MLA_KV, LayerState
+from splitserve.engine.state_transfer import LayerState
 from splitserve.engine_config import EngineConfig
+from splitserve.state import StateKind
 
 PROMPTS = [[7, 8, 9], list(range(3, 120)), [44] * 33 + list(range(50, 90))]
 
@@ -61,15 +62,19 @@ def test_every_layer_ships_its_state_once(tiny_model_path):
     for prompt, shipped in zip(PROMPTS, states.values()):
         kinds = sorted((s.layer_id, s.kind) for s in shipped)
         expected = sorted(
-            [(lid, MLA_KV) for lid in config.mla_layer_ids]
-            + [(lid, k) for lid in config.kda_layer_ids for k in (KDA_CONV, KDA_RECURRENT)]
+            [(lid, StateKind.MLA_KV) for lid in config.mla_layer_ids]
+            + [
+                (lid, k)
+                for lid in config.kda_layer_ids
+                for k in (StateKind.KDA_CONV, StateKind.KDA_RECURRENT)
+            ]
         )
         assert kinds == expected
         for s in shipped:
             assert (s.token_start, s.token_end) == (0, len(prompt))
-            if s.kind == MLA_KV:
+            if s.kind == StateKind.MLA_KV:
                 assert s.tensor.shape == (len(prompt), config.kv_lora_rank + config.qk_rope_head_dim)
-            if s.kind == KDA_RECURRENT:
+            if s.kind == StateKind.KDA_RECURRENT:
                 assert s.tensor.dtype == torch.float32 and s.tensor.abs().sum() > 0
 
 
@@ -95,11 +100,17 @@ def test_decode_refuses_state_that_does_not_fit(tiny_model_path):
     assert decode.reserve_transfer("x", 3)
     layer = decode.model_config.kda_layer_ids[0]
     with pytest.raises(ValueError, match="expected"):
-        decode.write_transferred_state("x", LayerState(layer, KDA_RECURRENT, torch.zeros(2, 2), 0, 3))
+        decode.write_transferred_state(
+            "x", LayerState(layer, StateKind.KDA_RECURRENT, torch.zeros(2, 2), 0, 3)
+        )
     with pytest.raises(ValueError, match="prompt has 3"):
-        decode.write_transferred_state("x", LayerState(layer, KDA_RECURRENT, torch.zeros(2, 2), 0, 4))
+        decode.write_transferred_state(
+            "x", LayerState(layer, StateKind.KDA_RECURRENT, torch.zeros(2, 2), 0, 4)
+        )
     with pytest.raises(KeyError, match="no reservation"):
-        decode.write_transferred_state("nope", LayerState(layer, KDA_RECURRENT, torch.zeros(2, 2), 0, 3))
+        decode.write_transferred_state(
+            "nope", LayerState(layer, StateKind.KDA_RECURRENT, torch.zeros(2, 2), 0, 3)
+        )
     decode.abort_request("x")
     assert decode.scheduler.blocks.num_free_blocks == decode.plan.num_blocks
     assert decode.scheduler.slots.num_free_slots == decode.plan.num_slots
