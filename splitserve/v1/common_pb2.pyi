@@ -20,7 +20,6 @@ class StateKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STATE_KIND_MLA_KV: _ClassVar[StateKind]
     STATE_KIND_KDA_CONV: _ClassVar[StateKind]
     STATE_KIND_KDA_RECURRENT: _ClassVar[StateKind]
-    STATE_KIND_REPLAY_RING: _ClassVar[StateKind]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -29,7 +28,6 @@ STATE_KIND_UNSPECIFIED: StateKind
 STATE_KIND_MLA_KV: StateKind
 STATE_KIND_KDA_CONV: StateKind
 STATE_KIND_KDA_RECURRENT: StateKind
-STATE_KIND_REPLAY_RING: StateKind
 
 class SamplingParams(_message.Message):
     __slots__ = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens", "include_stop_str_in_output")
