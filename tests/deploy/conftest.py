@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -15,3 +16,15 @@ def ray_cluster() -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+@pytest.fixture
+def registry(ray_cluster: None) -> Iterator[Any]:
+    """The fake actors' event log (tests/deploy/fakes.py), fresh for each test."""
+    import ray
+
+    from tests.deploy.fakes import REGISTRY_NAME, REGISTRY_NAMESPACE, Registry
+
+    actor = Registry.options(name=REGISTRY_NAME, namespace=REGISTRY_NAMESPACE).remote()
+    yield actor
+    ray.kill(actor)

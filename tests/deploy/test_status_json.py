@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,17 +13,10 @@ import ray
 
 from deploy.launcher import run_cluster
 from deploy.report import status_table
-from tests.deploy.fakes import FAKE_CLASSES, REGISTRY_NAME, REGISTRY_NAMESPACE, Registry
+from tests.deploy.fakes import FAKE_CLASSES
 from tests.deploy.helpers import check_status_shape, small_config
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
-
-
-@pytest.fixture
-def registry() -> Iterator[Any]:
-    actor = Registry.options(name=REGISTRY_NAME, namespace=REGISTRY_NAMESPACE).remote()
-    yield actor
-    ray.kill(actor)
 
 
 def _pid(_self: Any) -> int:
