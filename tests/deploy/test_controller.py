@@ -11,17 +11,10 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 
 from deploy.controller import PlacementError
 from deploy.launcher import ClusterError, ClusterHandle, run_cluster
-from tests.deploy.fakes import FAKE_CLASSES, REGISTRY_NAME, REGISTRY_NAMESPACE, FailingPrefill, Registry
+from tests.deploy.fakes import FAKE_CLASSES, FailingPrefill
 from tests.deploy.helpers import check_status_shape, is_dead, is_dead_controller, small_config, wait_until
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
-
-
-@pytest.fixture
-def registry() -> Iterator[Any]:
-    actor = Registry.options(name=REGISTRY_NAME, namespace=REGISTRY_NAMESPACE).remote()
-    yield actor
-    ray.kill(actor)
 
 
 @pytest.fixture
