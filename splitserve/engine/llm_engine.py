@@ -28,8 +28,6 @@ logger = logging.getLogger(__name__)
 
 HANDOFF = "handoff"  # finish reason of a prefill-only request whose decode continues elsewhere
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass
 class RequestUpdate:
@@ -60,7 +58,7 @@ class LLMEngine:
         if mc.hidden_act != "silu":
             raise ValueError(f"hidden_act {mc.hidden_act!r} is not supported (only 'silu')")
         self.device = torch.device(config.device)
-        dtype = _TORCH_DTYPES[config.dtype]
+        dtype = getattr(torch, config.dtype)  # EngineConfig.dtype is a torch dtype name
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(
