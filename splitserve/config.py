@@ -180,13 +180,30 @@ class StoreConfig(_Section):
     num_cpus: float = Field(default=0.25, ge=0)
 
 
-class CacheConfig(_Section):
-    """Prefix caching: the paged block, the prefix-match unit and where KDA states are kept."""
+def _refused(reason: str) -> BeforeValidator:
+    """A key kept in the schema only to refuse it with `reason` (an unknown-key error would not say why)."""
 
-    block_size: int = Field(default=16, ge=1)
-    prefix_unit: int = Field(default=64, ge=1)
-    retention_interval: int = Field(default=1024, ge=1)
-    selective_retention: bool = True
+    def refuse(value: object) -> object:
+        raise ValueError(reason)
+
+    return BeforeValidator(refuse)
+
+
+_NO_PREFIX_CACHING = "prefix caching is not implemented yet; remove this key"
+NotImplementedYet = Annotated[object, _refused(_NO_PREFIX_CACHING)]
+
+
+class CacheConfig(_Section):
+    """Reserved for prefix caching, which is not implemented yet: each of its keys is refused
+    at load, so a file cannot ask for behaviour it would silently not get. Never dumped."""
+
+    block_size: Annotated[
+        object,
+        _refused(f"{_NO_PREFIX_CACHING} (each pool's KV block is prefill.block_size / decode.block_size)"),
+    ] = None
+    prefix_unit: NotImplementedYet = None
+    retention_interval: NotImplementedYet = None
+    selective_retention: NotImplementedYet = None
 
 
 class HealthConfig(_Section):
@@ -215,7 +232,7 @@ class ClusterConfig(_Section):
     prefill: PoolConfig = PoolConfig()
     decode: PoolConfig = PoolConfig()
     store: StoreConfig = StoreConfig()
-    cache: CacheConfig = CacheConfig()
+    cache: CacheConfig = Field(default=CacheConfig(), exclude=True)
     health: HealthConfig = HealthConfig()
 
     @model_validator(mode="before")
@@ -237,22 +254,6 @@ class ClusterConfig(_Section):
             pool: PoolConfig = getattr(self, name)
             if pool.replicas < 1:
                 raise ValueError(f"{name}.replicas: must be at least 1 (got {pool.replicas})")
-            if pool.block_size != self.cache.block_size:
-                raise ValueError(
-                    f"{name}.block_size ({pool.block_size}) must equal cache.block_size "
-                    f"({self.cache.block_size}): the pools exchange KV in whole blocks"
-                )
-        cache = self.cache
-        if cache.prefix_unit % cache.block_size:
-            raise ValueError(
-                f"cache.prefix_unit ({cache.prefix_unit}) must be a multiple of cache.block_size "
-                f"({cache.block_size})"
-            )
-        if cache.retention_interval % cache.prefix_unit:
-            raise ValueError(
-                f"cache.retention_interval ({cache.retention_interval}) must be a multiple of "
-                f"cache.prefix_unit ({cache.prefix_unit}): states kept elsewhere could never be hit"
-            )
         return self
 
     @property
@@ -272,7 +273,6 @@ class ClusterConfig(_Section):
     def engine_config(self, pool: str, *, model_path: str | None = None) -> EngineConfig:
         """The engine knobs of one pool's workers. `model_path` skips resolving the model again."""
         section = self.pool(pool)
-        role = self.pool_role(pool)
         on_gpu = section.num_gpus > 0
         return EngineConfig(
             model=model_path if model_path is not None else self.model.resolved_path(),
@@ -283,8 +283,6 @@ class ClusterConfig(_Section):
             kv_cache_memory_bytes=section.kv_cache_memory_bytes,
             block_size=section.block_size,
             max_model_len=self.model.max_model_len,
-            # Prefill chunks end where KDA states are retained, so prefix hits land on them.
-            chunk_boundary=None if role == "decode" else self.cache.retention_interval,
             num_threads=None if on_gpu else max(1, int(section.num_cpus)),
         )
 

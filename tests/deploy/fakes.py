@@ -78,7 +78,7 @@ class _FakeWorker(_Fake):
     def __init__(self, engine_config: Any, store_address: str) -> None:
         self.engine_config = engine_config
         node_id = ray.get_runtime_context().get_node_id()
-        event = ("construct", self.kind, store_address, engine_config.chunk_boundary, node_id)
+        event = ("construct", self.kind, store_address, engine_config, node_id)
         ray.get(_registry().record.remote(*event))
 
 

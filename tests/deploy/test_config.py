@@ -6,13 +6,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from deploy.actors import gateway_settings_kwargs
 from frontend.settings import GatewaySettings
 from splitserve.config import (
     ClusterConfig,
     ConfigError,
+    PoolConfig,
     default_config,
     format_bytes,
     load_config,
@@ -100,21 +101,38 @@ def test_an_unknown_section_lists_the_known_ones(tmp_path):
     assert "prefil: unknown key (did you mean 'prefill'?)" in error_of(tmp_path, "prefil: {replicas: 2}")
 
 
-def test_block_sizes_must_agree_across_pools_and_cache(tmp_path):
-    message = error_of(tmp_path, "cache: {block_size: 32, prefix_unit: 64}")
-    assert "prefill.block_size (16) must equal cache.block_size (32)" in message
-    message = error_of(tmp_path, "decode: {block_size: 32}")
-    assert "decode.block_size (32) must equal cache.block_size (16)" in message
+@pytest.mark.parametrize(
+    "key", ["block_size: 16", "prefix_unit: 64", "retention_interval: 1024", "selective_retention: true"]
+)
+def test_prefix_cache_keys_are_refused_until_prefix_caching_exists(tmp_path, key):
+    name = key.split(":")[0]
+    message = error_of(tmp_path, f"cache: {{{key}}}")
+    assert f"cache.{name}: prefix caching is not implemented yet; remove this key" in message
 
 
-def test_prefix_unit_must_be_a_multiple_of_block_size(tmp_path):
-    message = error_of(tmp_path, "cache: {prefix_unit: 60}")
-    assert "cache.prefix_unit (60) must be a multiple of cache.block_size (16)" in message
+def test_every_refused_cache_key_is_named_at_once(tmp_path):
+    message = error_of(tmp_path, "cache: {block_size: 16, prefix_unit: 64, retention_interval: 1024}")
+    assert "3 problems" in message and "prefill.block_size / decode.block_size" in message
 
 
-def test_retention_interval_must_be_a_multiple_of_prefix_unit(tmp_path):
-    message = error_of(tmp_path, "cache: {retention_interval: 100}")
-    assert "cache.retention_interval (100) must be a multiple of cache.prefix_unit (64)" in message
+def test_pools_choose_their_block_size_each(tmp_path):
+    # the state moves as token rows, so a decode pool need not page its KV like the prefill pool
+    config = load_config(write(tmp_path, "decode: {block_size: 32}"))
+    sizes = [config.engine_config(pool, model_path="m").block_size for pool in ("prefill", "decode")]
+    assert sizes == [16, 32]
+
+
+@pytest.mark.parametrize("section", sorted(set(ClusterConfig.model_fields) - {"cache"}))
+def test_every_key_is_described_in_the_deploy_readme(section):
+    """Each key the schema accepts says in deploy/README.md what it changes (refused ones are tested above)."""
+    readme = (DEPLOY.parent / "README.md").read_text(encoding="utf-8")
+    field = ClusterConfig.model_fields[section]
+    keys = [section]
+    if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+        prefix = "<pool>" if field.annotation is PoolConfig else section  # one table for both pools
+        keys = [f"{prefix}.{key}" for key in _leaf_keys(field.annotation)]
+    missing = [key for key in keys if f"`{key}`" not in readme]
+    assert not missing, f"deploy/README.md does not describe {missing}"
 
 
 def test_tensor_parallel_above_one_is_not_supported_yet(tmp_path):
@@ -176,14 +194,9 @@ def test_engine_config_is_derived_per_pool():
     assert prefill.model == str(Path("~/models/kimi").expanduser())
     assert (prefill.dtype, prefill.device, prefill.num_threads) == ("bfloat16", "cpu", 2)
     assert (prefill.max_num_batched_tokens, prefill.kv_cache_memory_bytes) == (512, 2**30)
-    assert (prefill.max_model_len, prefill.block_size, prefill.chunk_boundary) == (4096, 16, 1024)
+    assert (prefill.max_model_len, prefill.block_size) == (4096, 16)
     decode = config.engine_config("decode")
-    assert (decode.device, decode.num_threads, decode.max_num_seqs, decode.chunk_boundary) == (
-        "cuda",
-        None,
-        128,
-        None,
-    )
+    assert (decode.device, decode.num_threads, decode.max_num_seqs) == ("cuda", None, 128)
     assert config.model.served_name == "kimi"
     with pytest.raises(ValueError, match="no pool 'colocated'"):
         config.engine_config("colocated")
@@ -196,7 +209,6 @@ def test_yaml_round_trip_gives_an_equal_config(tmp_path):
             "gateway": {"api_keys": ["k1"], "port": 9000},
             "prefill": {"replicas": 3, "placement": "STRICT_SPREAD", "kv_cache_memory_bytes": "1.5GiB"},
             "store": {"memory_bytes": 1000, "disk": {"path": None}},
-            "cache": {"block_size": 16, "prefix_unit": 32, "retention_interval": 96},
         }
     )
     text = original.to_yaml()
@@ -212,3 +224,14 @@ def test_the_gateway_settings_carry_the_configs_gateway_keys():
     assert (settings.port, settings.api_keys, settings.drain_timeout_s) == (9001, ("k",), 5)
     with pytest.raises(ConfigError, match="health.drain_timeout_s"):
         parse_config({"health": {"drain_timeout_s": -1}})
+
+
+def _leaf_keys(section: type[BaseModel]) -> list[str]:
+    keys = []
+    for name, field in section.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            keys += [f"{name}.{key}" for key in _leaf_keys(field.annotation)]
+        else:
+            keys.append(name)
+    return keys
+

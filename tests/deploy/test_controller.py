@@ -41,7 +41,9 @@ def test_start_places_pools_and_starts_store_then_workers_then_gateway(cluster, 
     store_address = status["stores"][0]["address"]
     constructed = {e[1]: e for e in events(registry, "construct")}
     assert constructed["prefill"][2] == store_address and constructed["decode"][2] == store_address
-    assert constructed["prefill"][3] == 1024 and constructed["decode"][3] is None  # chunk_boundary
+    model_path = small_config().model.resolved_path()
+    for pool in ("prefill", "decode"):  # each worker gets its own pool's engine config
+        assert constructed[pool][3] == small_config().engine_config(pool, model_path=model_path)
     groups = live_groups()
     assert sorted(g["bundles"][0]["CPU"] for g in groups) == [0.5, 0.5]
     assert all(g["strategy"] == "PACK" for g in groups)

@@ -27,7 +27,6 @@ def cluster(tmp_path_factory):
             "prefill": slow_prefill,
             "decode": {"num_cpus": 0.5, "kv_cache_memory_bytes": "32MiB"},
             "store": {"memory_bytes": "64MiB", "disk": {"path": None}},
-            "cache": {"block_size": 16, "prefix_unit": 16, "retention_interval": 16},
             "health": {"interval_s": 1, "timeout_s": 30, "start_timeout_s": 300},
         }
     )
