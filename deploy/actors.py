@@ -7,13 +7,16 @@ may pass its own class for any kind (`Controller(actor_classes=...)`).
 from __future__ import annotations
 
 import importlib
-import json
-from pathlib import Path
+import logging
 from typing import Any
 
 import ray
 
 from splitserve.config import ClusterConfig
+from splitserve.engine.cache_spec import plan_cache
+from splitserve.engine.model_config import KimiLinearModelConfig
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_CLASSES = {
     "store": ("state_store.actor", "StateStoreActor"),
@@ -53,7 +56,7 @@ def gateway_settings_kwargs(config: ClusterConfig, model_path: str | None) -> di
         "api_keys": list(config.gateway.api_keys),
         "drain_timeout_s": config.health.drain_timeout_s,
     }
-    max_model_len = config.model.max_model_len or _checkpoint_context(model_path)
+    max_model_len = served_max_model_len(config, model_path)
     if max_model_len is not None:  # else the gateway's own default applies
         kwargs["max_model_len"] = max_model_len
     return kwargs
@@ -66,13 +69,26 @@ def says_healthy(answer: Any) -> bool:
     return bool(answer)
 
 
-def _checkpoint_context(model_path: str | None) -> int | None:
-    """The checkpoint's own context length (`max_position_embeddings`), if its config says."""
+def served_max_model_len(config: ClusterConfig, model_path: str | None) -> int | None:
+    """The longest request every pool takes, so the gateway refuses longer ones with a 400.
+
+    Each pool's engine serves `model.max_model_len` if given, else the longest request its KV
+    budget holds (at most the checkpoint's context); this is the same torch-free arithmetic
+    (`plan_cache`) over the checkpoint's config.json, and the minimum over the pools. None when
+    that config cannot be read (the gateway's own default applies).
+    """
     if model_path is None:
-        return None
+        return config.model.max_model_len
     try:
-        with open(Path(model_path) / "config.json", encoding="utf-8") as f:
-            value = json.load(f).get("max_position_embeddings")
+        model = KimiLinearModelConfig.from_pretrained(model_path)
     except (OSError, ValueError):
-        return None
-    return value if isinstance(value, int) and value >= 2 else None
+        return config.model.max_model_len
+    lengths = {}
+    for pool in config.pool_names:
+        engine = config.engine_config(pool, model_path=model_path)
+        assert engine.kv_cache_memory_bytes is not None  # a pool's budget is always explicit
+        lengths[pool] = plan_cache(model, engine, engine.kv_cache_memory_bytes)[1]
+    chosen = min(lengths.values())
+    if config.model.max_model_len is None:
+        logger.info("model.max_model_len not given: the gateway takes up to %d tokens %s", chosen, lengths)
+    return chosen

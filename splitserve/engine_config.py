@@ -6,7 +6,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-DTYPES = ("float32", "bfloat16", "float16")
+from splitserve.state.dtypes import DTYPE_ITEMSIZE
+
+# The dtypes a model may run in (torch's names), with their bytes per element from the one table.
+DTYPE_BYTES = {name: DTYPE_ITEMSIZE[name] for name in ("float32", "bfloat16", "float16")}
+DTYPES = tuple(DTYPE_BYTES)
 
 
 @dataclass(frozen=True)
@@ -14,8 +18,9 @@ class EngineConfig:
     """What one engine instance serves and how much it may batch and cache.
 
     `kv_cache_memory_bytes` pays for `max_num_seqs` KDA state slots first and MLA KV blocks with
-    the rest. `max_model_len` defaults to the checkpoint's context. `chunk_boundary`, when set,
-    makes every prefill chunk end on each multiple of it (where state snapshots are taken).
+    the rest; None sizes it from what is needed (see `splitserve.engine.cache_budget`).
+    `max_model_len` None means the longest request the budget holds, at most the checkpoint's
+    context; an explicit value must fit both or the engine refuses to start.
     """
 
     model: str
@@ -23,10 +28,9 @@ class EngineConfig:
     device: str = "cpu"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    kv_cache_memory_bytes: int = 256 * 2**20
+    kv_cache_memory_bytes: int | None = None
     block_size: int = 16
     max_model_len: int | None = None
-    chunk_boundary: int | None = None
     seed: int = 0
     num_threads: int | None = None
 
@@ -34,9 +38,10 @@ class EngineConfig:
         positive = {
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
-            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
             "block_size": self.block_size,
         }
+        if self.kv_cache_memory_bytes is not None:
+            positive["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
         for name, value in positive.items():
             if value < 1:
                 raise ValueError(f"{name} must be at least 1 (got {value})")
@@ -44,8 +49,6 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES} (got {self.dtype!r})")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2 (got {self.max_model_len})")
-        if self.chunk_boundary is not None and self.chunk_boundary < 1:
-            raise ValueError(f"chunk_boundary must be a positive token count (got {self.chunk_boundary})")
 
     def replace(self, **changes: object) -> EngineConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -64,10 +64,10 @@ def allocate_caches(
     """One tensor per cache kind, viewed per layer, sized exactly by the plan."""
     mla_ids, kda_ids = config.mla_layer_ids, config.kda_layer_ids
     rows = plan.num_blocks * plan.mla.block_size
-    kv = torch.zeros(len(mla_ids), rows, plan.mla.entry_dim, dtype=plan.mla.dtype, device=device)
-    conv = torch.zeros(
-        len(kda_ids), plan.num_slots, *plan.kda.conv_shape, dtype=plan.kda.conv_dtype, device=device
-    )
+    # the specs name their dtypes as torch does ("bfloat16" is torch.bfloat16)
+    kv_dtype, conv_dtype = getattr(torch, plan.mla.dtype), getattr(torch, plan.kda.conv_dtype)
+    kv = torch.zeros(len(mla_ids), rows, plan.mla.entry_dim, dtype=kv_dtype, device=device)
+    conv = torch.zeros(len(kda_ids), plan.num_slots, *plan.kda.conv_shape, dtype=conv_dtype, device=device)
     rec = torch.zeros(
         len(kda_ids), plan.num_slots, *plan.kda.recurrent_shape, dtype=torch.float32, device=device
     )

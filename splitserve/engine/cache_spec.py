@@ -1,7 +1,9 @@
 """Cache specs: what one MLA block and one KDA state slot cost, and how a budget splits between them.
 
 Memory planning follows from these types alone (after vLLM v1's kv_cache_interface): the
-allocator never looks at the model, only at the specs and the budget.
+allocator never looks at the model, only at the specs and the budget. Torch-free, so the deploy
+controller computes the context length the workers will serve (and tells the gateway) from the
+cluster config and the checkpoint's config.json, with the same arithmetic the engine allocates by.
 """
 
 from __future__ import annotations
@@ -9,13 +11,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 from splitserve.engine.model_config import KimiLinearModelConfig
+from splitserve.engine_config import DTYPE_BYTES, EngineConfig
 
-
-def _dtype_bytes(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
+FP32_BYTES = 4  # the KDA recurrent state is kept in fp32 whatever the model dtype
 
 
 @dataclass(frozen=True)
@@ -25,7 +24,7 @@ class MLAAttentionSpec:
     block_size: int
     kv_lora_rank: int
     qk_rope_head_dim: int
-    dtype: torch.dtype
+    dtype: str
 
     @property
     def entry_dim(self) -> int:
@@ -33,7 +32,7 @@ class MLAAttentionSpec:
 
     @property
     def page_size_bytes(self) -> int:
-        return self.block_size * self.entry_dim * _dtype_bytes(self.dtype)
+        return self.block_size * self.entry_dim * DTYPE_BYTES[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -45,7 +44,7 @@ class KDAStateSpec:
     num_heads: int
     head_k_dim: int
     head_v_dim: int
-    conv_dtype: torch.dtype
+    conv_dtype: str
 
     @property
     def conv_shape(self) -> tuple[int, int]:
@@ -57,8 +56,8 @@ class KDAStateSpec:
 
     @property
     def slot_size_bytes(self) -> int:
-        conv = self.conv_dim * self.conv_len * _dtype_bytes(self.conv_dtype)
-        return conv + math.prod(self.recurrent_shape) * 4
+        conv = self.conv_dim * self.conv_len * DTYPE_BYTES[self.conv_dtype]
+        return conv + math.prod(self.recurrent_shape) * FP32_BYTES
 
 
 @dataclass(frozen=True)
@@ -84,18 +83,19 @@ class CachePlan:
     def total_bytes(self) -> int:
         return self.num_blocks * self.block_bytes + self.num_slots * self.slot_bytes
 
+    @property
+    def max_tokens_per_request(self) -> int:
+        """The longest request the KV blocks hold when it has them all to itself."""
+        return self.num_blocks * self.mla.block_size
+
+    def bytes_for(self, num_slots: int, num_tokens_per_slot: int) -> int:
+        """What `num_slots` slots and room for `num_tokens_per_slot` tokens in each of them cost."""
+        blocks_per_slot = -(-num_tokens_per_slot // self.mla.block_size)
+        return num_slots * (self.slot_bytes + blocks_per_slot * self.block_bytes)
+
     @classmethod
-    def from_budget(
-        cls,
-        config: KimiLinearModelConfig,
-        *,
-        kv_cache_memory_bytes: int,
-        block_size: int,
-        num_slots: int,
-        dtype: torch.dtype,
-        min_blocks: int,
-    ) -> CachePlan:
-        """Give every slot its room first, then spend the rest on blocks; fail if too little is left."""
+    def specs(cls, config: KimiLinearModelConfig, *, block_size: int, dtype: str) -> CachePlan:
+        """The per-block and per-slot costs alone (a plan of no blocks and no slots)."""
         mla = MLAAttentionSpec(block_size, config.kv_lora_rank, config.qk_rope_head_dim, dtype)
         kda = KDAStateSpec(
             conv_dim=3 * config.kda_qkv_dim,
@@ -106,15 +106,62 @@ class CachePlan:
             conv_dtype=dtype,
         )
         n_mla, n_kda = len(config.mla_layer_ids), len(config.kda_layer_ids)
-        plan = cls(mla, kda, n_mla, n_kda, num_blocks=0, num_slots=num_slots)
-        left = kv_cache_memory_bytes - num_slots * plan.slot_bytes
-        num_blocks = left // plan.block_bytes if plan.block_bytes else max(min_blocks, 1)
+        return cls(mla, kda, n_mla, n_kda, num_blocks=0, num_slots=0)
+
+    @classmethod
+    def from_budget(
+        cls,
+        config: KimiLinearModelConfig,
+        *,
+        kv_cache_memory_bytes: int,
+        block_size: int,
+        num_slots: int,
+        dtype: str,
+        min_blocks: int,
+    ) -> CachePlan:
+        """Give every slot its room first, then spend the rest on blocks; fail if too little is left."""
+        unit = cls.specs(config, block_size=block_size, dtype=dtype)
+        left = kv_cache_memory_bytes - num_slots * unit.slot_bytes
+        num_blocks = left // unit.block_bytes if unit.block_bytes else max(min_blocks, 1)
         if num_blocks < min_blocks:
-            need = num_slots * plan.slot_bytes + min_blocks * plan.block_bytes
+            need = num_slots * unit.slot_bytes + min_blocks * unit.block_bytes
             raise ValueError(
                 f"kv_cache_memory_bytes={kv_cache_memory_bytes:,} is too small: {num_slots} state slots "
-                f"({plan.slot_bytes:,} B each) and {min_blocks} KV blocks for one max_model_len request "
-                f"({plan.block_bytes:,} B each) need {need:,} B; raise the budget or lower "
-                f"max_num_seqs / max_model_len"
+                f"({unit.slot_bytes:,} B each) and {min_blocks:,} KV blocks for one request of "
+                f"{min_blocks * block_size:,} tokens ({unit.block_bytes:,} B each) need {need:,} B; "
+                f"raise the budget or lower max_num_seqs / max_model_len"
             )
-        return cls(mla, kda, n_mla, n_kda, num_blocks=int(num_blocks), num_slots=num_slots)
+        return cls(unit.mla, unit.kda, unit.num_mla_layers, unit.num_kda_layers, int(num_blocks), num_slots)
+
+
+def context_len(model: KimiLinearModelConfig, config: EngineConfig) -> int:
+    """The length requests may reach if the budget allows: `max_model_len`, else the checkpoint's."""
+    context = model.max_position_embeddings
+    if config.max_model_len is not None and config.max_model_len > context:
+        raise ValueError(f"max_model_len={config.max_model_len:,} exceeds the model's context ({context:,})")
+    return config.max_model_len or context
+
+
+def plan_cache(
+    model: KimiLinearModelConfig, config: EngineConfig, kv_cache_memory_bytes: int
+) -> tuple[CachePlan, int]:
+    """The cache plan one engine allocates and the `max_model_len` it serves.
+
+    An explicit `config.max_model_len` must fit the checkpoint's context and, for one request,
+    the budget (else ValueError). Without one, the engine serves the longest request the budget
+    holds with every slot paid for, at most the checkpoint's context (as vLLM estimates its
+    maximum model length from the KV cache it could allocate).
+    """
+    limit = context_len(model, config)
+    explicit = config.max_model_len is not None
+    # at least 2 tokens (a prompt token and a generated one) when the length is ours to choose
+    min_tokens = limit if explicit else 2
+    plan = CachePlan.from_budget(
+        model,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
+        block_size=config.block_size,
+        num_slots=config.max_num_seqs,
+        dtype=config.dtype,
+        min_blocks=-(-min_tokens // config.block_size),
+    )
+    return plan, limit if explicit else min(limit, plan.max_tokens_per_request)

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import torch
 
+from splitserve.engine.cache_budget import default_kv_cache_bytes
 from splitserve.engine.cache_pool import BlockAllocator, SlotAllocator, allocate_caches
-from splitserve.engine.cache_spec import CachePlan
+from splitserve.engine.cache_spec import CachePlan, context_len, plan_cache
 from splitserve.engine.loader import load_weights
 from splitserve.engine.model.kimi_linear import KimiLinearForCausalLM
 from splitserve.engine.model_config import KimiLinearModelConfig
@@ -59,23 +60,12 @@ class LLMEngine:
             raise ValueError(f"hidden_act {mc.hidden_act!r} is not supported (only 'silu')")
         self.device = torch.device(config.device)
         dtype = getattr(torch, config.dtype)  # EngineConfig.dtype is a torch dtype name
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        if self.max_model_len > mc.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={self.max_model_len} exceeds the model's context ({mc.max_position_embeddings})"
-            )
+        context_len(mc, config)  # a max_model_len beyond the checkpoint's fails before the weights load
         with torch.device(self.device):
             model = KimiLinearForCausalLM(mc)
         load_weights(model, path, dtype)
         self.model = model.eval()
-        self.plan = CachePlan.from_budget(
-            mc,
-            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-            block_size=config.block_size,
-            num_slots=config.max_num_seqs,
-            dtype=dtype,
-            min_blocks=-(-self.max_model_len // config.block_size),
-        )
+        self.plan, self.max_model_len = self._plan_cache()
         self.caches = allocate_caches(self.plan, mc, self.device)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -83,7 +73,6 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 block_size=config.block_size,
-                chunk_boundary=config.chunk_boundary,
             ),
             BlockAllocator(self.plan.num_blocks),
             SlotAllocator(self.plan.num_slots, self.caches),
@@ -99,6 +88,31 @@ class LLMEngine:
             self.plan.num_slots,
             self.plan.total_bytes / 2**20,
         )
+
+    def _plan_cache(self) -> tuple[CachePlan, int]:
+        """The cache plan and max_model_len (the budget defaulted if not given); logs a chosen length."""
+        config, mc = self.config, self.model_config
+        budget, why = config.kv_cache_memory_bytes, None
+        if budget is None:
+            budget, why = default_kv_cache_bytes(mc, config, self.device)
+        try:
+            plan, max_model_len = plan_cache(mc, config, budget)
+        except ValueError as exc:
+            if why is None:
+                raise
+            raise ValueError(f"{exc} ({why})") from None
+        if config.max_model_len is None:
+            logger.info(
+                "max_model_len not given: using %s tokens (the checkpoint's context is %s; a KV budget "
+                "of %.1f MiB%s holds %s tokens for one request beside %d state slots)",
+                f"{max_model_len:,}",
+                f"{mc.max_position_embeddings:,}",
+                budget / 2**20,
+                f" ({why})" if why else "",
+                f"{plan.max_tokens_per_request:,}",
+                plan.num_slots,
+            )
+        return plan, max_model_len
 
     def add_request(
         self,

@@ -3,8 +3,8 @@
 One token budget (`max_num_batched_tokens`) covers decodes and prefill chunks alike, running
 requests first (oldest first), then waiting ones in arrival order. A request that cannot get
 the KV blocks it needs preempts the newest running request (recompute: its caches are freed
-and its tokens replayed later). Chunks never cross a multiple of `chunk_boundary` tokens, so a
-state snapshot can be taken at every boundary. The scheduler decides; it never touches tensors.
+and its tokens replayed later). A prefill chunk is as long as the budget left allows. The
+scheduler decides; it never touches tensors.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     block_size: int
-    chunk_boundary: int | None = None
 
 
 @dataclass
@@ -127,13 +126,7 @@ class Scheduler:
         request.stop_reason = stop_reason
 
     def _chunk_len(self, request: Request, budget: int) -> int:
-        start = request.num_computed_tokens
-        num_new = min(request.num_tokens - start, budget)
-        boundary = self.config.chunk_boundary
-        if boundary:
-            next_boundary = (start // boundary + 1) * boundary
-            num_new = min(num_new, next_boundary - start)
-        return num_new
+        return min(request.num_tokens - request.num_computed_tokens, budget)
 
     def reserve_blocks(self, request: Request, num_new: int) -> bool:
         bs = self.config.block_size

@@ -20,7 +20,9 @@ from splitserve.config import (
     parse_bytes,
     parse_config,
 )
+from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine_config import EngineConfig
+from splitserve.tiny_model import make_tiny_model
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "configs"
 
@@ -235,3 +237,31 @@ def _leaf_keys(section: type[BaseModel]) -> list[str]:
             keys.append(name)
     return keys
 
+
+@pytest.fixture(scope="module")
+def long_context_path(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("long-context"), max_position_embeddings=2**20)
+
+
+def test_the_gateway_is_told_the_shortest_length_the_pools_choose(long_context_path):
+    path = str(long_context_path)
+    config = parse_config(
+        {
+            "model": {"path": path},
+            "prefill": {"kv_cache_memory_bytes": "8MiB", "max_num_seqs": 4},
+            "decode": {"kv_cache_memory_bytes": "16MiB", "max_num_seqs": 4},
+        }
+    )
+    engines = {pool: LLMEngine(config.engine_config(pool, model_path=path)) for pool in config.pool_names}
+    assert engines["prefill"].max_model_len < engines["decode"].max_model_len < 2**20
+    assert gateway_settings_kwargs(config, path)["max_model_len"] == engines["prefill"].max_model_len
+
+
+def test_an_explicit_max_model_len_goes_to_the_gateway_as_is(long_context_path):
+    config = parse_config({"model": {"path": str(long_context_path), "max_model_len": 4096}})
+    assert gateway_settings_kwargs(config, str(long_context_path))["max_model_len"] == 4096
+    unreadable = parse_config({"model": {"path": "/nowhere", "max_model_len": 4096}})
+    assert gateway_settings_kwargs(unreadable, "/nowhere")["max_model_len"] == 4096
+    assert "max_model_len" not in gateway_settings_kwargs(
+        parse_config({"model": {"path": "/nowhere"}}), "/nowhere"
+    )

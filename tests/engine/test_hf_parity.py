@@ -86,14 +86,7 @@ def test_greedy_matches_transformers_under_preemption(checkpoint):
     path, prompts, reference = checkpoint
     config = KimiLinearModelConfig.from_pretrained(path)
     max_model_len, block_size, max_num_seqs = 400, 16, 8
-    unit = CachePlan.from_budget(
-        config,
-        kv_cache_memory_bytes=2**30,
-        block_size=block_size,
-        num_slots=max_num_seqs,
-        dtype=torch.float32,
-        min_blocks=1,
-    )
+    unit = CachePlan.specs(config, block_size=block_size, dtype="float32")
     num_blocks = -(-max_model_len // block_size) + 2  # one longest request fits, all of them do not
     budget = max_num_seqs * unit.slot_bytes + num_blocks * unit.block_bytes
     llm, traces = _run(

@@ -1,4 +1,4 @@
-"""Scheduler decisions on their own: token budget, seq limit, chunk boundaries, preemption."""
+"""Scheduler decisions on their own: token budget, seq limit, preemption."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from splitserve.engine.scheduler import Scheduler, SchedulerConfig
 from splitserve.sampling_params import SamplingParams
 
 
-def _scheduler(num_blocks=64, max_num_seqs=4, budget=32, boundary=None, block_size=4):
+def _scheduler(num_blocks=64, max_num_seqs=4, budget=32, block_size=4):
     slots = SlotAllocator(max_num_seqs, LayerCaches({}, {}, {}))
-    config = SchedulerConfig(max_num_seqs, budget, 1024, block_size, boundary)
+    config = SchedulerConfig(max_num_seqs, budget, 1024, block_size)
     return Scheduler(config, BlockAllocator(num_blocks), slots)
 
 
@@ -49,16 +49,6 @@ def test_max_num_seqs_caps_the_running_set():
         sched.add(_req(i, 5))
     out = sched.schedule()
     assert len(out.scheduled) == 2 and len(sched.waiting) == 1
-
-
-def test_chunks_end_on_every_boundary():
-    sched = _scheduler(budget=50, boundary=16)
-    sched.add(_req(0, 70))
-    ends = []
-    while not sched.running or sched.running[0].num_computed_tokens < 70:
-        _run_step(sched)
-        ends.append(sched.running[0].num_computed_tokens)
-    assert ends == [16, 32, 48, 64, 70]
 
 
 def test_preemption_frees_the_newest_request_and_replays_it():
