@@ -63,6 +63,7 @@ class ColocatedServicer(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.Decode
     def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext
     ) -> prefill_pb2.PrefillResponse:
+        arrival = time.time()
         rid = request.request_id
         try:
             params = sampling_params_from_proto(request.sampling_params)
@@ -94,7 +95,9 @@ class ColocatedServicer(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.Decode
             first_token_id=update.new_token_ids[0],
             finish_reason=FINISH_TO_PROTO[update.finish_reason if finished else None],
             num_prompt_tokens=req.num_prompt_tokens,
-            timing=prefill_pb2.PrefillTiming(prefill_s=time.time() - started),
+            timing=prefill_pb2.PrefillTiming(
+                arrival_unix_s=arrival, queue_s=update.queue_s or 0.0, prefill_s=time.time() - started
+            ),
         )
         if update.new_logprobs:
             response.first_logprobs.CopyFrom(logprobs_to_proto(update.new_logprobs[0]))

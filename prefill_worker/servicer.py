@@ -105,7 +105,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             num_prompt_tokens=req.num_prompt_tokens,
             timing=prefill_pb2.PrefillTiming(
                 arrival_unix_s=arrival,
-                queue_s=0.0,
+                queue_s=update.queue_s or 0.0,
                 prefill_s=prefill_s,
                 state_put_s=put_s,
                 state_bytes=writer.num_bytes,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,8 @@ class RequestUpdate:
 
     A snapshot taken when the step ran: other threads read it later, when the live `request`
     may have moved on (more tokens, finished), so they must use these fields, not the request's.
+    `queue_s` is set on the first update after the request's arrival or admission only: the
+    seconds it waited before its first schedule.
     """
 
     request: Request
@@ -44,6 +47,7 @@ class RequestUpdate:
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    queue_s: float | None = None
 
 
 class LLMEngine:
@@ -196,6 +200,7 @@ class LLMEngine:
             request.max_tokens,
         )
         reserved.num_computed_tokens = reserved.num_prompt_tokens
+        reserved.arrival_s = time.monotonic()  # it queues from here, not from the reservation
         reserved.output_token_ids.append(int(first_token_id))
         if first_logprobs is not None:
             reserved.output_logprobs.append(first_logprobs)
@@ -252,6 +257,10 @@ class LLMEngine:
         output = self.scheduler.schedule()
         if not output.scheduled:
             return []
+        now = time.monotonic()
+        for s in output.scheduled:
+            if s.request.first_scheduled_s is None:
+                s.request.first_scheduled_s = now
         result = self.runner.execute(output.scheduled)
         self.scheduler.postprocess(output, result.token_ids)
         updates = []
@@ -277,6 +286,7 @@ class LLMEngine:
                     finished=request.finished,
                     finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,
+                    queue_s=request.take_queue_s(),
                 )
             )
         return updates

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,9 @@ class Request:
     `num_computed_tokens` counts tokens whose KV and state are in the caches; the request needs
     a sample when every known token is computed. After a recompute preemption the generated
     tokens are replayed as prompt: `all_token_ids` is what gets (re)computed.
+
+    `arrival_s` (when it was added, or admitted after a state transfer) and `first_scheduled_s`
+    are `time.monotonic()` readings; their difference is the request's queue time.
     """
 
     request_id: str
@@ -44,6 +48,23 @@ class Request:
     # (a LayerState) as the final prompt chunk finishes that layer
     prefill_only: bool = False
     export: Callable[[Any], None] | None = None
+    arrival_s: float = field(default_factory=time.monotonic)
+    first_scheduled_s: float | None = None
+    _queue_reported: bool = field(default=False, repr=False)
+
+    @property
+    def queue_s(self) -> float | None:
+        """Seconds from arrival to the first schedule; None until it is scheduled."""
+        if self.first_scheduled_s is None:
+            return None
+        return self.first_scheduled_s - self.arrival_s
+
+    def take_queue_s(self) -> float | None:
+        """`queue_s` the first time it is asked for once scheduled, None afterwards (one report each)."""
+        if self._queue_reported or self.first_scheduled_s is None:
+            return None
+        self._queue_reported = True
+        return self.queue_s
 
     @property
     def num_tokens(self) -> int:

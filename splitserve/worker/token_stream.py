@@ -49,7 +49,9 @@ def stream_deltas(
             finish_reason=FINISH_TO_PROTO[update.finish_reason if update.finished else None],
             num_generated_tokens=num_generated,
             timing=decode_pb2.DecodeTiming(
-                emit_unix_s=time.time(), state_wait_s=state_wait_s if first else 0.0
+                emit_unix_s=time.time(),
+                state_wait_s=state_wait_s if first else 0.0,
+                queue_s=update.queue_s or 0.0,  # set on the first update since admission only
             ),
         )
         first = False
