@@ -74,7 +74,6 @@ class Generation:
         self.arrival_s = arrival_s
         self.deadline_s = arrival_s + pipeline.settings.request_timeout_s
         self.num_generated_tokens = 0
-        self.num_cached_tokens = 0
         self.finish_reason: str | None = None
         self._decode_address: str | None = None
         self._prefill_address: str | None = None
@@ -114,7 +113,6 @@ class Generation:
             if self._decode_address in self.p.router.prefill_addresses:
                 prefill_address = self._decode_address  # colocated: the engine holding the room prefills
         response = await self._prefill(prefill_address, reservation)
-        self.num_cached_tokens = response.num_cached_tokens
         timing = response.timing
         self.p.metrics.queue.labels(self.p.metrics.model_name, "prefill").observe(timing.queue_s)
         if timing.state_bytes:
@@ -187,7 +185,6 @@ class Generation:
         metrics = self.p.metrics
         metrics.running.labels(metrics.model_name).dec()
         metrics.observe_finished(reason, len(self.prompt_ids), self.num_generated_tokens)
-        metrics.cached_tokens.labels(metrics.model_name).inc(self.num_cached_tokens)
         if self.finish_reason is not None:
             metrics.e2e.labels(metrics.model_name).observe(time.monotonic() - self.arrival_s)
         with anyio.CancelScope(shield=True):

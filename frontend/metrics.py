@@ -63,12 +63,6 @@ class GatewayMetrics:
         self.prompt_tokens = Counter(
             "splitserve_prompt_tokens", "Prompt tokens processed", labels, registry=self.registry
         )
-        self.cached_tokens = Counter(
-            "splitserve_prefix_cached_tokens",
-            "Prompt tokens served from the prefix cache",
-            labels,
-            registry=self.registry,
-        )
         self.generation_tokens = Counter(
             "splitserve_generation_tokens", "Tokens generated", labels, registry=self.registry
         )
