@@ -2,7 +2,7 @@
 and the chat template rendered with jinja2 from `tokenizer_config.json`.
 
 `transformers.AutoTokenizer` would import torch when it is installed, which the GPU-less
-frontend must not do (see DESIGN.md, known pitfalls).
+frontend must not do (docs/ARCHITECTURE.md, "Pitfalls the code is shaped around").
 """
 
 from __future__ import annotations
