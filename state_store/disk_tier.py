@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import itertools
 import os
-import threading
 from collections.abc import Hashable
 from pathlib import Path
 
 from splitserve.state.errors import CorruptStateError
-from splitserve.state.records import TierStats
-from state_store.lru import LruIndex
-from state_store.tier import Evicted, Tier
+from state_store.lru import LruTier
+from state_store.tier import Evicted
 from state_store.tier_directory import ClaimedDirectory, reclaim_abandoned
 
 
-class DiskTier(Tier):
+class DiskTier(LruTier):
     """Holds objects as files in a fresh directory under `root`, up to `capacity_bytes`.
 
     Owns that directory (a fresh one, so stores sharing a root never collide) and every file in
@@ -30,26 +28,17 @@ class DiskTier(Tier):
     name = "disk"
 
     def __init__(self, root: str | os.PathLike[str], capacity_bytes: int) -> None:
+        super().__init__(capacity_bytes)
         self.reclaimed_bytes = reclaim_abandoned(root)
         self._claim = ClaimedDirectory(root)
         self.directory = self._claim.path
-        self._lock = threading.Lock()
-        self._index = LruIndex(self.name, capacity_bytes)
         self._paths: dict[Hashable, Path] = {}
         self._names = itertools.count()
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._index.capacity_bytes
 
     def path_of(self, oid: Hashable) -> Path | None:
         """The file holding `oid` (for debugging and tests), or None."""
         with self._lock:
             return self._paths.get(oid)
-
-    def contains(self, oid: Hashable) -> bool:
-        with self._lock:
-            return oid in self._index
 
     def put(self, oid: Hashable, data: bytes) -> list[Evicted]:
         with self._lock:
@@ -75,27 +64,13 @@ class DiskTier(Tier):
             except FileNotFoundError as e:
                 raise CorruptStateError(f"disk tier file {path} for {oid} vanished") from e
 
-    def pin(self, oid: Hashable) -> bool:
-        with self._lock:
-            return self._index.pin(oid)
-
-    def unpin(self, oid: Hashable) -> bool:
-        with self._lock:
-            return self._index.unpin(oid)
-
     def remove(self, oid: Hashable) -> int:
         with self._lock:
             return self._delete_locked(oid)
 
-    def stats(self) -> TierStats:
-        with self._lock:
-            index = self._index
-            return TierStats(self.name, index.num_bytes, index.capacity_bytes, len(index), index.num_pinned)
-
     def close(self) -> None:
         with self._lock:
-            for oid in self._index.ids():
-                self._index.discard(oid)
+            self._index.clear()
             self._paths.clear()
             self._claim.release()
 

@@ -1,11 +1,15 @@
-"""The LRU-with-pins bookkeeping both tiers share: which ids, how big, which to evict next."""
+"""The LRU-with-pins bookkeeping both tiers share: which ids, how big, which to evict next
+(`LruIndex`), and the tier methods answered from it alone (`LruTier`)."""
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Hashable
 
 from splitserve.state.errors import TierFullError
+from splitserve.state.records import TierStats
+from state_store.tier import Tier
 
 
 class LruIndex:
@@ -34,8 +38,10 @@ class LruIndex:
     def num_pinned(self) -> int:
         return len(self._pins)
 
-    def ids(self) -> list[Hashable]:
-        return list(self._sizes)
+    def clear(self) -> None:
+        self._sizes.clear()
+        self._pins.clear()
+        self.num_bytes = 0
 
     def victims(self, oid: Hashable, size: int) -> list[Hashable]:
         """Ids to evict (oldest first) so `oid` of `size` bytes fits; `oid` itself never counts."""
@@ -88,3 +94,37 @@ class LruIndex:
         else:
             self._pins[oid] = count - 1
         return True
+
+
+class LruTier(Tier):
+    """A tier whose eviction order, sizes and pins live in one `LruIndex` under one lock.
+
+    Answers `capacity_bytes`, `contains`, `pin`, `unpin` and `stats` from the index; subclasses
+    hold the bytes (`put`, `get`, `remove`, `close`) and take `self._lock` around every use of
+    `self._index`.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self._lock = threading.Lock()
+        self._index = LruIndex(self.name, capacity_bytes)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._index.capacity_bytes
+
+    def contains(self, oid: Hashable) -> bool:
+        with self._lock:
+            return oid in self._index
+
+    def pin(self, oid: Hashable) -> bool:
+        with self._lock:
+            return self._index.pin(oid)
+
+    def unpin(self, oid: Hashable) -> bool:
+        with self._lock:
+            return self._index.unpin(oid)
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            index = self._index
+            return TierStats(self.name, index.num_bytes, index.capacity_bytes, len(index), index.num_pinned)
