@@ -38,7 +38,16 @@ def _add_make_tiny_model_arguments(parser: argparse.ArgumentParser) -> None:
 def _run_make_tiny_model(args: argparse.Namespace) -> int:
     from splitserve.tiny_model import make_tiny_model, num_checkpoint_elements
 
-    path = make_tiny_model(args.dir, preset=args.preset, seed=args.seed)
+    try:
+        path = make_tiny_model(args.dir, preset=args.preset, seed=args.seed)
+    except OSError as exc:  # a folder that cannot be created or written: one line, not a traceback
+        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != args.dir else ""
+        print(
+            f"splitserve make-tiny-model: cannot write a checkpoint to {args.dir}: "
+            f"{exc.strerror or exc}{where}; choose a folder you can write",
+            file=sys.stderr,
+        )
+        return 1
     print(f"{path} ({args.preset}, seed {args.seed}): {num_checkpoint_elements(path):,} parameters")
     return 0
 
@@ -87,21 +96,37 @@ def _run_config(args: argparse.Namespace) -> int:
         print(f"splitserve config check: {exc}", file=sys.stderr)
         return 1
     print(config.to_yaml(), end="")
-    print(f"{args.file}: OK ({config.mode}, pools: {', '.join(config.pool_names)})", file=sys.stderr)
+    summary = f"{args.file}: OK ({config.mode}, pools: {', '.join(config.pool_names)})"
+    from deploy.launcher import ClusterError, check_local_model
+
+    try:
+        check_local_model(config)
+    except ClusterError as exc:  # valid for `up --address` to a cluster whose nodes hold the checkpoint
+        summary += f", but {exc}: `splitserve up` without --address refuses it here"
+    print(summary, file=sys.stderr)
     return 0
 
 
-def _add_address_argument(parser: argparse.ArgumentParser, otherwise: str) -> None:
+def _add_address_argument(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument(
         "--address",
         default=None,
-        help=f"Ray cluster address (e.g. ray://head:10001); default: $RAY_ADDRESS, else {otherwise}",
+        help=f"Ray cluster address (host:port of its GCS, or ray://head:10001); default: {default}",
     )
+
+
+def _add_name_argument(parser: argparse.ArgumentParser, help: str) -> None:
+    parser.add_argument("--name", default=None, help=help)
 
 
 def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="cluster config YAML (default: the embedded default)")
-    _add_address_argument(parser, "a new local Ray sized to the config")
+    _add_address_argument(parser, "$RAY_ADDRESS, else a new local Ray sized to the config")
+    _add_name_argument(
+        parser,
+        "this deployment's name on this machine and its Ray namespace (default: default); "
+        "give each deployment sharing the machine or the Ray cluster its own",
+    )
 
 
 def _run_up(args: argparse.Namespace) -> int:
@@ -112,13 +137,19 @@ def _run_up(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"splitserve up: {exc}", file=sys.stderr)
         return 2
+    from deploy.local_deployments import DEFAULT_NAME
     from deploy.serve import serve_forever
 
-    return serve_forever(config, address=args.address)
+    return serve_forever(config, address=args.address, name=args.name or DEFAULT_NAME)
+
+
+_WHICH_DEPLOYMENT = "the deployment `splitserve up --name NAME` started on this machine"
+_OR_THE_RECORDED_ONE = "the Ray of the deployment `splitserve up` started on this machine, else $RAY_ADDRESS"
 
 
 def _add_status_arguments(parser: argparse.ArgumentParser) -> None:
-    _add_address_argument(parser, "the Ray running on this machine")
+    _add_name_argument(parser, f"{_WHICH_DEPLOYMENT} (with --address: its namespace there)")
+    _add_address_argument(parser, _OR_THE_RECORDED_ONE)
     parser.add_argument("--json", action="store_true", help="print the raw status as JSON")
 
 
@@ -129,7 +160,7 @@ def _run_status(args: argparse.Namespace) -> int:
     from deploy.report import status_table
 
     try:
-        status = fetch_status(args.address)
+        status = fetch_status(args.name, args.address)
     except ClusterError as exc:
         print(f"splitserve status: {exc}", file=sys.stderr)
         return 1
@@ -140,7 +171,8 @@ def _run_status(args: argparse.Namespace) -> int:
 def _add_resize_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("pool", help="the pool to resize: prefill or decode")
     parser.add_argument("replicas", type=int, help="the new number of replicas (at least 1)")
-    _add_address_argument(parser, "the Ray running on this machine")
+    _add_name_argument(parser, f"{_WHICH_DEPLOYMENT} (with --address: its namespace there)")
+    _add_address_argument(parser, _OR_THE_RECORDED_ONE)
 
 
 def _run_resize(args: argparse.Namespace) -> int:
@@ -154,7 +186,7 @@ def _run_resize(args: argparse.Namespace) -> int:
         flush=True,
     )
     try:
-        status = resize_pool(args.pool, args.replicas, args.address)
+        status = resize_pool(args.pool, args.replicas, args.name, args.address)
     except ClusterError as exc:
         print(f"splitserve resize: {exc}", file=sys.stderr)
         return 1

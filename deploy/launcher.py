@@ -1,16 +1,22 @@
 """Start a deployment from a `ClusterConfig` and get a handle that stops it.
 
-`run_cluster(config)` connects to Ray (`address`, else `$RAY_ADDRESS`, else a fresh local Ray
-sized to the config), starts the controller as the named actor `splitserve-controller` in the
-namespace `splitserve`, waits until every actor is up and healthy, and returns a
-`ClusterHandle`. `handle.stop()` ends every actor, the controller, and Ray itself only if
-`run_cluster` started it. The controller is not detached: if the driver dies, Ray ends it and
-everything it owns.
+`run_cluster(config, name=...)` connects to Ray (`address`, else `$RAY_ADDRESS`, else a fresh
+local Ray sized to the config, its temp dir this deployment's own), starts the controller as the
+named actor `splitserve-controller` in the deployment's namespace (`local_deployments.namespace_for`),
+waits until every actor is up and healthy, and returns a `ClusterHandle`. `handle.stop()` ends
+every actor, the controller, and Ray itself only if `run_cluster` started it; it waits on Ray only
+while Ray's GCS is there to answer, so a Ray killed along with this process (SIGTERM to the
+process group) costs no timeouts. The controller is not detached: if the driver dies, Ray ends
+it and everything it owns.
+
+`fetch_status` and `resize_pool` act on one deployment from another process: the one recorded
+on this machine (`splitserve up` records it), the one `name`d, or the one in `address`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import getpass
 import logging
 import math
 import os
@@ -20,26 +26,52 @@ from typing import Any
 
 import ray
 
-from deploy.controller import CONTROLLER_NAME, HEAD_NODE_RESOURCE, NAMESPACE, Controller
+from deploy.cluster_error import ClusterError
+from deploy.controller import CONTROLLER_NAME, HEAD_NODE_RESOURCE, Controller
+from deploy.local_deployments import (
+    DEFAULT_NAME,
+    find_deployment,
+    name_of,
+    namespace_for,
+    ray_temp_dir,
+    running_deployments,
+)
+from deploy.ray_connection import attach, ensure_auth_token, gcs_reachable, limit_shutdown_flush
 from frontend.server import GatewayBindError, bind_listening_socket
 from splitserve.config import ClusterConfig
 
+__all__ = ["ClusterError", "ClusterHandle", "fetch_status", "resize_pool", "run_cluster"]
 
-class ClusterError(RuntimeError):
-    """The deployment could not be started (or found): the message says why."""
+STATUS_TIMEOUT_S = 30.0
+_LIVENESS_POLL_S = 0.5  # how often a wait on the controller checks that Ray's GCS is still there
+
+
+class RayGoneError(ClusterError):
+    """Ray's GCS stopped answering while this process waited on the deployment."""
 
 
 class ClusterHandle:
-    """A running deployment: its controller, and whether this process started Ray for it."""
+    """A running deployment: its controller, the Ray address and namespace it runs in, and whether
+    this process started that Ray (then `stop()` ends it)."""
 
-    def __init__(self, controller: Any, *, started_ray: bool, stop_timeout_s: float) -> None:
+    def __init__(
+        self,
+        controller: Any,
+        *,
+        started_ray: bool,
+        stop_timeout_s: float,
+        address: str = "auto",
+        namespace: str | None = None,
+    ) -> None:
         self.controller = controller
         self.started_ray = started_ray
+        self.address = address
+        self.namespace = namespace or namespace_for(DEFAULT_NAME)
         self._stop_timeout_s = stop_timeout_s
         self._stopped = False
 
-    def status(self) -> dict[str, Any]:
-        return ray.get(self.controller.status.remote())  # type: ignore[no-any-return]
+    def status(self, timeout_s: float = STATUS_TIMEOUT_S) -> dict[str, Any]:
+        return wait_for(self.controller.status.remote(), self.address, timeout_s)  # type: ignore[no-any-return]
 
     def resize(self, pool: str, replicas: int) -> dict[str, Any]:
         return ray.get(self.controller.resize.remote(pool, replicas))  # type: ignore[no-any-return]
@@ -50,19 +82,34 @@ class ClusterHandle:
         return gateway["url"] if gateway else None
 
     def stop(self) -> None:
-        """Stop every actor and the controller; shut Ray down if `run_cluster` started it. Idempotent."""
+        """Stop every actor and the controller; shut Ray down if `run_cluster` started it. Idempotent.
+
+        If Ray's GCS is gone (a SIGTERM to the process group ends the local Ray with this
+        process), it waits on nothing: what is left of a local Ray is killed, and this process
+        stays attached to the dead Ray, since `ray.shutdown()` would then wait for many seconds
+        or end the process from inside Ray. Such a process should exit
+        (`ray_connection.attached_to_lost_ray()` tells); `splitserve up` does.
+        """
         if self._stopped:
             return
         self._stopped = True
+        ray_alive = gcs_reachable(self.address)
         try:
-            ray.get(self.controller.stop.remote(), timeout=self._stop_timeout_s)
+            if ray_alive:
+                wait_for(self.controller.stop.remote(), self.address, self._stop_timeout_s)
+        except RayGoneError:
+            ray_alive = False
         except Exception:  # a dead or stuck controller: killing it ends the actors it owns
             pass
         finally:
-            with contextlib.suppress(Exception):
-                ray.kill(self.controller, no_restart=True)
-            if self.started_ray:
-                ray.shutdown()
+            if not ray_alive:
+                if self.started_ray:
+                    _kill_local_ray()
+            else:
+                with contextlib.suppress(Exception):
+                    ray.kill(self.controller, no_restart=True)
+                if self.started_ray:
+                    ray.shutdown()
 
     def __enter__(self) -> ClusterHandle:
         return self
@@ -82,21 +129,60 @@ def required_resources(config: ClusterConfig) -> dict[str, float]:
     return {"CPU": cpus, "GPU": gpus}
 
 
+def _kill_local_ray() -> None:
+    """SIGKILL what is left of the local Ray this process started, whose GCS is already gone.
+
+    `ray.shutdown()` gives each of its processes a second to exit after a SIGTERM; dying
+    without their GCS, they have nothing to finish, so stopping should not wait on them.
+    """
+    node = getattr(ray._private.worker, "_global_node", None)
+    if node is not None:
+        with contextlib.suppress(Exception):
+            node.kill_all_processes(check_alive=False, allow_graceful=False)
+
+
+def wait_for(ref: Any, address: str, timeout_s: float | None) -> Any:
+    """`ray.get(ref)`, checking every half second that the GCS at `address` still answers.
+
+    Raises RayGoneError as soon as it does not (instead of Ray's 60 s reconnect), ClusterError
+    after `timeout_s` (None: no limit), and whatever the call raised.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        left = (
+            _LIVENESS_POLL_S
+            if deadline is None
+            else max(0.0, min(_LIVENESS_POLL_S, deadline - time.monotonic()))
+        )
+        if ray.wait([ref], timeout=left)[0]:
+            return ray.get(ref)
+        if not gcs_reachable(address):
+            raise RayGoneError(
+                f"the Ray cluster at {address} is gone (its GCS no longer accepts connections)"
+            )
+        if deadline is not None and time.monotonic() >= deadline:
+            raise ClusterError(f"the splitserve controller did not answer within {timeout_s:g} s")
+
+
 def run_cluster(
     config: ClusterConfig,
     *,
     address: str | None = None,
+    name: str = DEFAULT_NAME,
     actor_classes: dict[str, type] | None = None,
 ) -> ClusterHandle:
-    """Start the deployment and wait until it is healthy. `actor_classes` is for test doubles."""
-    started_ray = _connect(config, address)
+    """Start the deployment `name` and wait until it is healthy. `actor_classes` is for test doubles."""
+    namespace = namespace_for(name)
+    started_ray, ray_address = _connect(config, address, name)
     handle: ClusterHandle | None = None
     try:
-        controller = _create_controller(config, actor_classes)
+        controller = _create_controller(deployment_paths(config, name), namespace, actor_classes)
         handle = ClusterHandle(
             controller,
             started_ray=started_ray,
             stop_timeout_s=4 * config.health.timeout_s + config.health.drain_timeout_s + 30,
+            address=ray_address,
+            namespace=namespace,
         )
         ray.get(controller.start.remote())
         _wait_healthy(handle, config.health.start_timeout_s)
@@ -111,38 +197,83 @@ def run_cluster(
         raise
 
 
-def connect_to_controller(address: str | None = None) -> Any:
-    """Attach to a running deployment's controller (for `splitserve status`)."""
-    target = address or os.environ.get("RAY_ADDRESS") or "auto"
+def deployment_paths(config: ClusterConfig, name: str) -> ClusterConfig:
+    """`config` with `{user}` and `{deployment}` in the store's disk path filled in."""
+    path = config.store.disk.path
+    if path is None or "{" not in path:
+        return config
+    filled = path.replace("{user}", _user_name()).replace("{deployment}", name)
+    disk = config.store.disk.model_copy(update={"path": filled})
+    return config.model_copy(update={"store": config.store.model_copy(update={"disk": disk})})
+
+
+def _user_name() -> str:
     try:
-        ray.init(address=target, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
-    except ConnectionError as exc:
-        raise ClusterError(f"no Ray cluster at {target!r}: {exc}") from None
+        return getpass.getuser()
+    except (KeyError, OSError):  # a uid with no passwd entry (some containers)
+        return str(os.getuid())
+
+
+def connect_to_controller(name: str | None = None, address: str | None = None) -> tuple[Any, str]:
+    """Attach to one deployment's controller: at `address` if given, else the one recorded here
+    (`name`, or the only one running); return it and the Ray address. For `status` and `resize`."""
+    if address is None and name is None and not running_deployments():
+        address = os.environ.get("RAY_ADDRESS") or None  # e.g. inside a KubeRay pod: no record, an address
+    if address is not None:
+        namespace = namespace_for(name or DEFAULT_NAME)
+    else:
+        record = find_deployment(name)
+        address, namespace = record.address, record.namespace
+    attach(address, namespace, log_to_driver=False, logging_level=logging.WARNING)
     try:
-        return ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+        return ray.get_actor(CONTROLLER_NAME, namespace=namespace), address
     except ValueError:
+        others = _other_deployments(namespace)
+        up = "splitserve up" + ("" if name in (None, DEFAULT_NAME) else f" --name {name}")
+        hint = f"it runs {others}: choose one with --name" if others else f"start the deployment with `{up}`"
         raise ClusterError(
-            f"no splitserve deployment is running in the Ray cluster at {target!r} "
-            f"(no actor {CONTROLLER_NAME!r} in namespace {NAMESPACE!r}); start one with `splitserve up`"
+            f"no splitserve controller in namespace {namespace!r} of the Ray cluster at {address} "
+            f"(no actor {CONTROLLER_NAME!r}); {hint}"
         ) from None
 
 
-def _connect(config: ClusterConfig, address: str | None) -> bool:
-    """Connect to Ray; return True where this call started a local Ray (so stop() ends it)."""
+def _other_deployments(namespace: str) -> str:
+    """The other deployments in this Ray cluster (namespaces holding a splitserve controller), as text."""
+    try:
+        actors = ray.util.list_named_actors(all_namespaces=True)
+    except Exception:  # only a hint for the error message
+        return ""
+    found = sorted(
+        a["namespace"] for a in actors if a["name"] == CONTROLLER_NAME and a["namespace"] != namespace
+    )
+    return ", ".join(f"deployment {name_of(ns)!r} (namespace {ns!r})" for ns in found)
+
+
+def _connect(config: ClusterConfig, address: str | None, name: str) -> tuple[bool, str]:
+    """Connect to Ray; return whether this call started a local Ray (so stop() ends it) and its address."""
+    namespace = namespace_for(name)
     if ray.is_initialized():
-        return False
+        return False, _gcs_address()
     target = address or os.environ.get("RAY_ADDRESS")
     if target:
-        ray.init(address=target, namespace=NAMESPACE)
-        return False
-    _check_local_model(config)
+        attach(target, namespace)
+        return False, target
+    check_local_model(config)
     if config.gateway.port:  # the gateway will run here: say the port is taken before models load
         try:
             bind_listening_socket(config.gateway.host, config.gateway.port).close()
         except GatewayBindError as exc:
             raise ClusterError(str(exc)) from None
     need = required_resources(config)
-    ray.init(num_cpus=max(1, math.ceil(need["CPU"])), include_dashboard=False, namespace=NAMESPACE)
+    temp_dir = ray_temp_dir(name)
+    limit_shutdown_flush()
+    ensure_auth_token()
+    ray.init(
+        num_cpus=max(1, math.ceil(need["CPU"])),
+        include_dashboard=False,
+        namespace=namespace,
+        _temp_dir=str(temp_dir),
+    )
     have = ray.cluster_resources().get("GPU", 0.0)
     if need["GPU"] > have:
         ray.shutdown()
@@ -150,10 +281,17 @@ def _connect(config: ClusterConfig, address: str | None) -> bool:
             f"the config reserves {need['GPU']:g} GPUs but this machine has {have:g}; set "
             f"num_gpus: 0 in the pools, or pass --address to use a Ray cluster with GPUs"
         )
-    return True
+    return True, _gcs_address()
 
 
-def _check_local_model(config: ClusterConfig) -> None:
+def _gcs_address() -> str:
+    try:
+        return str(ray.get_runtime_context().gcs_address)
+    except Exception:  # a Ray Client connection has no GCS address of its own
+        return "auto"
+
+
+def check_local_model(config: ClusterConfig) -> None:
     """On a local Ray every worker reads the checkpoint from this machine: check it is there."""
     if config.model.path is None:  # the embedded default is built on first use
         return
@@ -166,21 +304,22 @@ def _check_local_model(config: ClusterConfig) -> None:
         )
 
 
-def _create_controller(config: ClusterConfig, actor_classes: dict[str, type] | None) -> Any:
+def _create_controller(config: ClusterConfig, namespace: str, actor_classes: dict[str, type] | None) -> Any:
     try:
-        ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+        ray.get_actor(CONTROLLER_NAME, namespace=namespace)
     except ValueError:
         pass
     else:
         raise ClusterError(
             f"a splitserve deployment is already running in this Ray cluster (actor "
-            f"{CONTROLLER_NAME!r} in namespace {NAMESPACE!r}); stop it first"
+            f"{CONTROLLER_NAME!r} in namespace {namespace!r}); stop it first, or give this one "
+            "another --name"
         )
     return (
         ray.remote(Controller)
         .options(
             name=CONTROLLER_NAME,
-            namespace=NAMESPACE,
+            namespace=namespace,
             num_cpus=0,
             max_restarts=0,
             resources={HEAD_NODE_RESOURCE: 0.001},
@@ -207,21 +346,23 @@ def _cause(exc: BaseException) -> str:
     return str(cause) if isinstance(cause, ClusterError) else f"{type(cause).__name__}: {cause}"
 
 
-def fetch_status(address: str | None = None) -> dict[str, Any]:
-    """The running deployment's `status()`, from another process (`splitserve status`)."""
+def fetch_status(name: str | None = None, address: str | None = None) -> dict[str, Any]:
+    """One deployment's `status()`, from another process (`splitserve status`)."""
     try:
-        controller = connect_to_controller(address)
-        return ray.get(controller.status.remote(), timeout=60)  # type: ignore[no-any-return]
+        controller, ray_address = connect_to_controller(name, address)
+        return wait_for(controller.status.remote(), ray_address, STATUS_TIMEOUT_S)  # type: ignore[no-any-return]
     finally:
         ray.shutdown()  # disconnects; the cluster itself keeps running
 
 
-def resize_pool(pool: str, replicas: int, address: str | None = None) -> dict[str, Any]:
-    """Resize a pool of the running deployment from another process (`splitserve resize`)."""
+def resize_pool(
+    pool: str, replicas: int, name: str | None = None, address: str | None = None
+) -> dict[str, Any]:
+    """Resize a pool of one deployment from another process (`splitserve resize`)."""
     try:
-        controller = connect_to_controller(address)
+        controller, ray_address = connect_to_controller(name, address)
         try:
-            return ray.get(controller.resize.remote(pool, replicas))  # type: ignore[no-any-return]
+            return wait_for(controller.resize.remote(pool, replicas), ray_address, None)  # type: ignore[no-any-return]
         except ray.exceptions.RayTaskError as exc:
             raise ClusterError(_cause(exc)) from None
     finally:

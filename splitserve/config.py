@@ -167,7 +167,8 @@ class PoolConfig(_Section):
 class DiskConfig(_Section):
     """The store's disk tier; `path: null` turns it off."""
 
-    path: str | None = "/tmp/splitserve-store"
+    # {user} and {deployment} are filled in as a deployment starts (deploy/launcher.py): two never share one
+    path: str | None = "/tmp/splitserve-store-{user}/{deployment}"
     bytes: ByteSize = 20 * 2**30
 
 

@@ -18,9 +18,18 @@ import ray
 from cli.main import main
 from deploy import serve
 from deploy.launcher import run_cluster
+from deploy.local_deployments import RUNTIME_DIR_ENV
 from deploy.report import status_line, status_table
 from tests.deploy.fakes import FAKE_CLASSES, REGISTRY_NAME, REGISTRY_NAMESPACE, Registry
 from tests.deploy.helpers import is_dead, is_dead_controller, small_config
+
+
+@pytest.fixture(autouse=True)
+def own_runtime_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Deployment records of this test only: `up` here never meets a deployment someone else runs."""
+    path = tmp_path_factory.mktemp("runtime")
+    monkeypatch.setenv(RUNTIME_DIR_ENV, str(path))
+    return path
 
 
 def test_config_check_prints_the_validated_config(tmp_path, capsys):
@@ -131,11 +140,11 @@ def _signal_twice() -> None:
     os.kill(os.getpid(), signal.SIGINT)
 
 
-def test_up_stops_everything_and_exits_0_on_sigterm(ray_with_registry, monkeypatch, capsys):
+def test_up_stops_everything_and_exits_0_on_sigterm(ray_with_registry, monkeypatch, capsys, own_runtime_dir):
     started: list[Any] = []
 
-    def run_with_fakes(config: Any, *, address: str | None = None) -> Any:
-        handle = run_cluster(config, address=address, actor_classes=FAKE_CLASSES)
+    def run_with_fakes(config: Any, *, address: str | None = None, name: str) -> Any:
+        handle = run_cluster(config, address=address, name=name, actor_classes=FAKE_CLASSES)
         started.append(handle)
         threading.Timer(0.5, _signal_twice).start()
         return handle
@@ -150,11 +159,21 @@ def test_up_stops_everything_and_exits_0_on_sigterm(ray_with_registry, monkeypat
     assert len(handles) == 4 and all(is_dead(h) for h in handles)
     assert is_dead_controller()
     assert {sig: signal.getsignal(sig) for sig in before} == before
+    assert not (own_runtime_dir / "default.json").exists()  # the record goes with the deployment
 
 
 def test_config_files_in_deploy_are_all_valid(capsys):
     for path in sorted((Path(__file__).resolve().parents[2] / "deploy" / "configs").rglob("*.yaml")):
         assert main(["config", "check", str(path)]) == 0, capsys.readouterr().err
+
+
+def test_config_check_says_when_the_checkpoint_is_not_on_this_machine(tmp_path, capsys):
+    path = tmp_path / "elsewhere.yaml"
+    path.write_text(f"model: {{path: {tmp_path / 'no-such-model'}}}\n")
+    assert main(["config", "check", str(path)]) == 0  # valid: the nodes of a Ray cluster may have it
+    err = capsys.readouterr().err
+    assert "is not a folder on this machine" in err
+    assert "`splitserve up` without --address refuses it here" in err
 
 
 def test_status_from_another_process_prints_the_table(ray_with_registry):
@@ -179,10 +198,17 @@ def test_status_without_a_deployment_says_so(ray_with_registry):
     address = ray.get_runtime_context().gcs_address
     result = splitserve("status", "--address", address)
     assert result.returncode == 1
-    assert "no splitserve deployment is running" in result.stderr
+    assert "no splitserve controller in namespace 'splitserve'" in result.stderr
+    named = splitserve("status", "--address", address, "--name", "other")
+    assert named.returncode == 1
+    assert "no splitserve controller in namespace 'splitserve-other'" in named.stderr
+    assert "splitserve up --name other" in named.stderr
 
 
-def splitserve(*args: str) -> subprocess.CompletedProcess[str]:
+def splitserve(*args: str, runtime_dir: str | None = None) -> subprocess.CompletedProcess[str]:
+    """`splitserve ARGS` in a child process; it sees the deployments recorded in `runtime_dir`
+    (default: this test's own, empty unless the test records one)."""
+    env = {**os.environ, RUNTIME_DIR_ENV: runtime_dir or os.environ[RUNTIME_DIR_ENV]}
     return subprocess.run(
-        [sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, timeout=120, env=env
     )
