@@ -1,4 +1,7 @@
-"""One prompt's trip through the workers: Reserve → Prefill → Decode stream → detokenized steps.
+"""One prompt's trip through the workers: Reserve → Prefill → Decode stream → steps.
+
+Each worker message becomes a client-visible `Step` in `frontend.steps` (detokenized, stop
+strings applied).
 
 `Generation` owns every resource the request holds on a worker. Its caller runs
 `start()` then `next()` until a step carries a finish reason, and calls `release()` in a
@@ -21,27 +24,13 @@ from frontend.errors import GatewayError, over_capacity, unavailable
 from frontend.metrics import GatewayMetrics
 from frontend.router import Router
 from frontend.settings import GatewaySettings
-from splitserve.detokenizer import IncrementalDetokenizer
+from frontend.steps import OutputSteps, Step
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokenizer import Tokenizer
 from splitserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from splitserve.wire import FINISH_FROM_PROTO, sampling_params_to_proto
 
 logger = logging.getLogger(__name__)
-
-# One output position's logprobs: (token id, logprob) pairs, the sampled token first.
-TokenLogprobs = list[tuple[int, float]]
-
-
-@dataclass
-class Step:
-    """What one worker message adds to the output, after stop strings are applied."""
-
-    token_ids: list[int]
-    text: str
-    logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -73,8 +62,7 @@ class Generation:
         self.params = params
         self.arrival_s = arrival_s
         self.deadline_s = arrival_s + pipeline.settings.request_timeout_s
-        self.num_generated_tokens = 0
-        self.finish_reason: str | None = None
+        self._output = OutputSteps(pipeline.tokenizer, prompt_ids, params)
         self._decode_address: str | None = None
         self._prefill_address: str | None = None
         self._holds_reservation = False
@@ -83,18 +71,15 @@ class Generation:
         self._last_token_s = arrival_s
         self._transfer_s = 0.0
         self._released = False
-        self._detok = (
-            IncrementalDetokenizer(
-                pipeline.tokenizer,
-                prompt_ids,
-                stop=params.stop,
-                skip_special_tokens=params.skip_special_tokens,
-                include_stop_str_in_output=params.include_stop_str_in_output,
-            )
-            if pipeline.tokenizer is not None
-            else None
-        )
         pipeline.metrics.running.labels(pipeline.metrics.model_name).inc()
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return self._output.num_generated_tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._output.finish_reason
 
     # The flow ---------------------------------------------------------------------------------
 
@@ -113,12 +98,8 @@ class Generation:
             if self._decode_address in self.p.router.prefill_addresses:
                 prefill_address = self._decode_address  # colocated: the engine holding the room prefills
         response = await self._prefill(prefill_address, reservation)
-        timing = response.timing
-        self.p.metrics.queue.labels(self.p.metrics.model_name, "prefill").observe(timing.queue_s)
-        if timing.state_bytes:
-            self.p.metrics.transfer_bytes.labels(self.p.metrics.model_name).observe(timing.state_bytes)
-            self.p.metrics.transfer_stream_s.labels(self.p.metrics.model_name).observe(timing.state_stream_s)
-        step = self._step(
+        self._observe_prefill(response.timing)
+        step = self._output.step(
             [response.first_token_id],
             [response.first_logprobs] if response.HasField("first_logprobs") else [],
             FINISH_FROM_PROTO.get(response.finish_reason),
@@ -127,19 +108,8 @@ class Generation:
         now = time.monotonic()
         self.p.metrics.ttft.labels(self.p.metrics.model_name).observe(now - self.arrival_s)
         self._last_token_s = now
-        self._transfer_s = timing.state_put_s
         if step.finish_reason is None:
-            request = decode_pb2.DecodeRequest(
-                request_id=self.request_id,
-                prompt_token_ids=self.prompt_ids,
-                sampling_params=sampling_params_to_proto(self.params),
-                first_token_id=response.first_token_id,
-                first_logprobs=response.first_logprobs,
-                state=response.state,
-            )
-            assert self._decode_address is not None
-            self._stream = self.p.clients.decode(self._decode_address, request, self._remaining_s())
-            self._holds_reservation = False
+            self._open_decode(response)
         else:
             await self._release_decode()
         return step
@@ -163,7 +133,7 @@ class Generation:
             self.p.metrics.transfer_s.labels(self.p.metrics.model_name).observe(
                 self._transfer_s + delta.timing.state_wait_s
             )
-        step = self._step(
+        step = self._output.step(
             list(delta.token_ids),
             list(delta.logprobs),
             FINISH_FROM_PROTO.get(delta.finish_reason),
@@ -246,36 +216,27 @@ class Generation:
         finally:
             self.p.router.on_prefill_end(address, len(self.prompt_ids))
 
-    def _step(
-        self,
-        token_ids: list[int],
-        logprobs: list[common_pb2.TokenLogprobs],
-        finish_reason: str | None,
-        stop_token_id: int | None,
-    ) -> Step:
-        """Detokenize, apply stop strings, count; tokens after a stop string are dropped."""
-        pairs = (
-            [list(zip(lp.token_ids, lp.logprobs)) for lp in logprobs]
-            if self.params.logprobs is not None
-            else None
+    def _observe_prefill(self, timing: prefill_pb2.PrefillTiming) -> None:
+        metrics = self.p.metrics
+        metrics.queue.labels(metrics.model_name, "prefill").observe(timing.queue_s)
+        if timing.state_bytes:
+            metrics.transfer_bytes.labels(metrics.model_name).observe(timing.state_bytes)
+            metrics.transfer_stream_s.labels(metrics.model_name).observe(timing.state_stream_s)
+        self._transfer_s = timing.state_put_s  # the decode's wait for the state is added to it
+
+    def _open_decode(self, response: prefill_pb2.PrefillResponse) -> None:
+        """Hand the prefilled request to its reserved decode worker: the reservation becomes a stream."""
+        request = decode_pb2.DecodeRequest(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_ids,
+            sampling_params=sampling_params_to_proto(self.params),
+            first_token_id=response.first_token_id,
+            first_logprobs=response.first_logprobs,
+            state=response.state,
         )
-        stop_reason: int | str | None = stop_token_id
-        text = ""
-        if self._detok is not None:
-            hidden = 1 if stop_token_id is not None and not self.params.include_stop_str_in_output else 0
-            visible = token_ids[: len(token_ids) - hidden]
-            before = len(self._detok.ids)
-            text = self._detok.push(visible)
-            if self._detok.stop_reason is not None:
-                token_ids = token_ids[: len(self._detok.ids) - before]
-                finish_reason, stop_reason = "stop", self._detok.stop_reason
-            elif finish_reason is not None:
-                text += self._detok.flush()
-        if pairs is not None:
-            pairs = pairs[: len(token_ids)]
-        self.num_generated_tokens += len(token_ids)
-        self.finish_reason = finish_reason
-        return Step(token_ids, text, pairs, finish_reason, stop_reason if finish_reason else None)
+        assert self._decode_address is not None
+        self._stream = self.p.clients.decode(self._decode_address, request, self._remaining_s())
+        self._holds_reservation = False
 
     async def _release_decode(self) -> None:
         """Abort the reservation or the decode stream, if either is still held."""

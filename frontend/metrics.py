@@ -22,34 +22,20 @@ class GatewayMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        labels = ["model_name"]
-
-        def histogram(
-            name: str, doc: str, buckets: tuple[float, ...], extra: tuple[str, ...] = ()
-        ) -> Histogram:
-            return Histogram(name, doc, [*labels, *extra], buckets=buckets, registry=self.registry)
-
-        self.ttft = histogram(
-            "splitserve_time_to_first_token_seconds", "Arrival to first token", _LATENCY_BUCKETS_S
-        )
-        self.itl = histogram(
-            "splitserve_inter_token_latency_seconds", "Gap between output tokens", _LATENCY_BUCKETS_S
-        )
-        self.e2e = histogram(
-            "splitserve_e2e_request_latency_seconds", "Arrival to last token", _LATENCY_BUCKETS_S
-        )
-        self.queue = histogram(
-            "splitserve_queue_time_seconds", "Time queued on a worker", _LATENCY_BUCKETS_S, ("phase",)
-        )
+        histogram, counter, gauge, lat = self._histogram, self._counter, self._gauge, _LATENCY_BUCKETS_S
+        self.ttft = histogram("splitserve_time_to_first_token_seconds", "Arrival to first token", lat)
+        self.itl = histogram("splitserve_inter_token_latency_seconds", "Gap between output tokens", lat)
+        self.e2e = histogram("splitserve_e2e_request_latency_seconds", "Arrival to last token", lat)
+        self.queue = histogram("splitserve_queue_time_seconds", "Time queued on a worker", lat, "phase")
         self.transfer_s = histogram(
             "splitserve_state_transfer_seconds",
             "State handoff not overlapped with compute (prefill put tail + decode wait)",
-            _LATENCY_BUCKETS_S,
+            lat,
         )
         self.transfer_stream_s = histogram(
             "splitserve_state_stream_seconds",
             "Whole state stream per request: first layer queued on the prefill to the store's ack",
-            _LATENCY_BUCKETS_S,
+            lat,
         )
         self.transfer_bytes = histogram(
             "splitserve_state_transfer_bytes", "State bytes handed from prefill to decode", _BYTE_BUCKETS
@@ -60,42 +46,34 @@ class GatewayMetrics:
         self.generation_tokens_hist = histogram(
             "splitserve_request_generation_tokens", "Generated tokens", _TOKEN_BUCKETS
         )
-        self.prompt_tokens = Counter(
-            "splitserve_prompt_tokens", "Prompt tokens processed", labels, registry=self.registry
-        )
-        self.generation_tokens = Counter(
-            "splitserve_generation_tokens", "Tokens generated", labels, registry=self.registry
-        )
-        self.requests = Counter(
+        self.prompt_tokens = counter("splitserve_prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = counter("splitserve_generation_tokens", "Tokens generated")
+        self.requests = counter(
             "splitserve_request_success",
             "Finished generations by finish reason (stop, length, abort, error)",
-            [*labels, "finish_reason"],
-            registry=self.registry,
+            "finish_reason",
         )
-        self.responses = Counter(
-            "splitserve_http_responses",
-            "HTTP responses by route and status code",
-            [*labels, "route", "status_code"],
-            registry=self.registry,
+        self.responses = counter(
+            "splitserve_http_responses", "HTTP responses by route and status code", "route", "status_code"
         )
-        self.running = Gauge(
-            "splitserve_num_requests_running", "Generations in flight", labels, registry=self.registry
+        self.running = gauge("splitserve_num_requests_running", "Generations in flight", ["model_name"])
+        self.workers = gauge("splitserve_num_workers", "Workers known to the router", ["model_name", "role"])
+        self.store_bytes = gauge(
+            "splitserve_store_usage_bytes", "State store bytes in use", ["store", "tier"]
         )
-        self.workers = Gauge(
-            "splitserve_num_workers", "Workers known to the router", [*labels, "role"], registry=self.registry
+        self.store_capacity = gauge(
+            "splitserve_store_capacity_bytes", "State store capacity", ["store", "tier"]
         )
-        self.store_bytes = Gauge(
-            "splitserve_store_usage_bytes",
-            "State store bytes in use",
-            ["store", "tier"],
-            registry=self.registry,
-        )
-        self.store_capacity = Gauge(
-            "splitserve_store_capacity_bytes",
-            "State store capacity",
-            ["store", "tier"],
-            registry=self.registry,
-        )
+
+    # Every series but the store gauges is per model_name (several gateways may share a Prometheus).
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...], *extra: str) -> Histogram:
+        return Histogram(name, doc, ["model_name", *extra], buckets=buckets, registry=self.registry)
+
+    def _counter(self, name: str, doc: str, *extra: str) -> Counter:
+        return Counter(name, doc, ["model_name", *extra], registry=self.registry)
+
+    def _gauge(self, name: str, doc: str, label_names: list[str]) -> Gauge:
+        return Gauge(name, doc, label_names, registry=self.registry)
 
     def labels(self) -> dict[str, str]:
         return {"model_name": self.model_name}

@@ -251,6 +251,7 @@ class CompletionLogprobs(BaseModel):
 
 
 LogprobsT = TypeVar("LogprobsT", bound=BaseModel)
+ChoiceT = TypeVar("ChoiceT", bound="_Choice[Any]")
 
 
 def _now_s() -> int:
@@ -266,14 +267,14 @@ class _Choice(BaseModel, Generic[LogprobsT]):
     stop_reason: int | str | None = None
 
 
-class _Envelope(BaseModel):
+class _Envelope(BaseModel, Generic[ChoiceT]):
     """What every response and chunk carries around its choices."""
 
     id: str
     object: str
     created: int = Field(default_factory=_now_s)
     model: str
-    choices: list[Any]
+    choices: list[ChoiceT]
     usage: UsageInfo | None = None
 
 
@@ -281,11 +282,10 @@ class CompletionChoice(_Choice[CompletionLogprobs]):
     text: str
 
 
-class CompletionResponse(_Envelope):
+class CompletionResponse(_Envelope[CompletionChoice]):
     """A whole completion, and each streamed chunk of one (OpenAI uses one shape for both)."""
 
     object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
 
 
 class TopLogprob(BaseModel):
@@ -311,9 +311,8 @@ class ChatChoice(_Choice[ChatLogprobs]):
     message: ChatMessageOut
 
 
-class ChatCompletionResponse(_Envelope):
+class ChatCompletionResponse(_Envelope[ChatChoice]):
     object: Literal["chat.completion"] = "chat.completion"
-    choices: list[ChatChoice]
 
 
 class DeltaMessage(BaseModel):
@@ -325,9 +324,8 @@ class ChatChunkChoice(_Choice[ChatLogprobs]):
     delta: DeltaMessage
 
 
-class ChatCompletionChunk(_Envelope):
+class ChatCompletionChunk(_Envelope[ChatChunkChoice]):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    choices: list[ChatChunkChoice]
 
 
 class ModelCard(BaseModel):

@@ -6,7 +6,7 @@ renders each streamed chunk, so the two always agree on text, tokens and logprob
 
 from __future__ import annotations
 
-from frontend.generate import Generation, Step
+from frontend.generate import Generation
 from frontend.protocol import (
     ChatLogprobs,
     ChatTokenLogprob,
@@ -14,6 +14,7 @@ from frontend.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from frontend.steps import Step
 from splitserve.tokenizer import Tokenizer
 
 

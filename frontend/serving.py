@@ -20,7 +20,8 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from frontend.errors import GatewayError
-from frontend.generate import Generation, Step
+from frontend.generate import Generation
+from frontend.steps import Step
 
 
 class ResponseView(Protocol):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
-from frontend.generate import Generation, Step
+from frontend.generate import Generation
 from frontend.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -18,6 +18,7 @@ from frontend.responses import TokenRenderer, concat_steps, usage_of
 from frontend.routes.generations import generations_for
 from frontend.routes.state import PipelineDep
 from frontend.serving import serve
+from frontend.steps import Step
 
 router = APIRouter()
 

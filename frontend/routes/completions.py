@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
-from frontend.generate import Generation, Step
+from frontend.generate import Generation
 from frontend.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from frontend.responses import TokenRenderer, concat_steps, usage_of
 from frontend.routes.generations import generations_for
 from frontend.routes.state import PipelineDep
 from frontend.serving import serve
+from frontend.steps import Step
 
 router = APIRouter()
 
