@@ -36,7 +36,7 @@ def default_kv_cache_bytes(
     if device.type == "cuda":
         torch.cuda.empty_cache()  # blocks cached while loading are free for the KV cache too
         free, total = torch.cuda.mem_get_info(device)
-        cap = free - int((1 - GPU_MEMORY_UTILIZATION) * total)
+        cap = int(GPU_MEMORY_UTILIZATION * total) - (total - free)  # the engine's share less what is in use
         where = (
             f"capped at the GPU memory left after the weights less {1 - GPU_MEMORY_UTILIZATION:.0%} of "
             f"the device ({cap / 2**20:,.0f} MiB)"

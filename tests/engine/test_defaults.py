@@ -61,3 +61,22 @@ def test_the_default_budget_is_what_full_length_requests_need(tiny_model_path):
     context = llm.engine.model_config.max_position_embeddings
     assert llm.engine.max_model_len == context  # the checkpoint's own: the budget is sized for it
     assert llm.engine.plan.num_slots == 8 and llm.engine.plan.num_blocks == 8 * context // 16
+
+
+def test_on_cuda_the_default_leaves_a_tenth_of_the_device_to_activations(long_context_path, monkeypatch):
+    import torch
+
+    from splitserve.engine.cache_budget import default_kv_cache_bytes
+    from splitserve.engine.model_config import KimiLinearModelConfig
+    from splitserve.engine_config import EngineConfig
+
+    model = KimiLinearModelConfig.from_pretrained(long_context_path)
+    config = EngineConfig(model=str(long_context_path), device="cuda")
+    total = 100 * 2**30
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)  # no GPU here: only the arithmetic
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (30 * 2**30, total))
+    budget, why = default_kv_cache_bytes(model, config, torch.device("cuda"))
+    assert budget == 30 * 2**30 - total // 10 and "GPU memory left after the weights" in why
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (5 * 2**30, total))
+    with pytest.raises(ValueError, match="no GPU memory is left for the KV cache"):
+        default_kv_cache_bytes(model, config, torch.device("cuda"))
