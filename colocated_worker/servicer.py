@@ -84,6 +84,7 @@ class ColocatedServicer(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.Decode
             self._abort(rid)
             abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {rid} did not finish in time")
         update = stream.first_update
+        queue_s = update.queue_s or 0.0
         req = update.request
         finished = update.finished
         if finished:
@@ -96,7 +97,7 @@ class ColocatedServicer(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.Decode
             finish_reason=FINISH_TO_PROTO[update.finish_reason if finished else None],
             num_prompt_tokens=req.num_prompt_tokens,
             timing=prefill_pb2.PrefillTiming(
-                arrival_unix_s=arrival, queue_s=update.queue_s or 0.0, prefill_s=time.time() - started
+                arrival_unix_s=arrival, queue_s=queue_s, prefill_s=max(0.0, time.time() - started - queue_s)
             ),
         )
         if update.new_logprobs:

@@ -86,7 +86,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             writer.cancel()
             abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {rid} did not finish in time")
         update = result[0]
-        prefill_s = time.time() - started
+        queue_s = update.queue_s or 0.0
+        prefill_s = max(0.0, time.time() - started - queue_s)  # from its first schedule
         put_started = time.time()
         try:
             writer.finish(timeout_s=30.0)
@@ -105,7 +106,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             num_prompt_tokens=req.num_prompt_tokens,
             timing=prefill_pb2.PrefillTiming(
                 arrival_unix_s=arrival,
-                queue_s=update.queue_s or 0.0,
+                queue_s=queue_s,
                 prefill_s=prefill_s,
                 state_put_s=put_s,
                 state_bytes=writer.num_bytes,
