@@ -17,8 +17,8 @@ import grpc
 from splitserve.engine.llm_engine import RequestUpdate
 from splitserve.rpc import abort
 from splitserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from splitserve.wire import FINISH_TO_PROTO, logprobs_to_proto, sampling_params_from_proto
 from splitserve.worker.load import decode_stats
+from splitserve.worker.messages import first_token_response, sampling_params_or_abort
 from splitserve.worker.token_stream import stream_deltas
 
 
@@ -65,10 +65,7 @@ class ColocatedServicer(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.Decode
     ) -> prefill_pb2.PrefillResponse:
         arrival = time.time()
         rid = request.request_id
-        try:
-            params = sampling_params_from_proto(request.sampling_params)
-        except ValueError as exc:
-            abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        params = sampling_params_or_abort(request.sampling_params, context)
         stream = _Stream()
         with self._lock:
             self._streams[rid] = stream
@@ -85,25 +82,15 @@ class ColocatedServicer(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.Decode
             abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {rid} did not finish in time")
         update = stream.first_update
         queue_s = update.queue_s or 0.0
-        req = update.request
         finished = update.finished
         if finished:
             self._forget(rid)
         if update.finish_reason == "abort":
             abort(context, grpc.StatusCode.CANCELLED, f"request {rid} was aborted")
-        response = prefill_pb2.PrefillResponse(
-            request_id=rid,
-            first_token_id=update.new_token_ids[0],
-            finish_reason=FINISH_TO_PROTO[update.finish_reason if finished else None],
-            num_prompt_tokens=req.num_prompt_tokens,
-            timing=prefill_pb2.PrefillTiming(
-                arrival_unix_s=arrival, queue_s=queue_s, prefill_s=max(0.0, time.time() - started - queue_s)
-            ),
+        timing = prefill_pb2.PrefillTiming(
+            arrival_unix_s=arrival, queue_s=queue_s, prefill_s=max(0.0, time.time() - started - queue_s)
         )
-        if update.new_logprobs:
-            response.first_logprobs.CopyFrom(logprobs_to_proto(update.new_logprobs[0]))
-        if finished and isinstance(update.stop_reason, int):
-            response.stop_token_id = update.stop_reason
+        response = first_token_response(update, update.finish_reason if finished else None, timing)
         if not finished:
             response.state.key = rid
             response.state.owner = self.worker_id

@@ -17,7 +17,7 @@ from splitserve.state.client import StateStoreClient
 from splitserve.state.errors import StateStoreError
 from splitserve.state.status import status_code
 from splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from splitserve.wire import FINISH_TO_PROTO, logprobs_to_proto, sampling_params_from_proto
+from splitserve.worker.messages import first_token_response, sampling_params_or_abort
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +43,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     ) -> prefill_pb2.PrefillResponse:
         arrival = time.time()
         rid = request.request_id
-        try:
-            params = sampling_params_from_proto(request.sampling_params)
-        except ValueError as exc:
-            abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        params = sampling_params_or_abort(request.sampling_params, context)
         # A request that ends on its first token needs no decode, so no state target either.
         needs_state = params.max_tokens != 1 or bool(request.state_key)
         if needs_state and (not request.store_address or not request.state_key):
@@ -99,24 +96,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         reason = None if req.finish_reason == HANDOFF else req.finish_reason
         if req.finish_reason == "abort":
             abort(context, grpc.StatusCode.CANCELLED, f"request {rid} was aborted")
-        response = prefill_pb2.PrefillResponse(
-            request_id=rid,
-            first_token_id=req.output_token_ids[0],
-            finish_reason=FINISH_TO_PROTO[reason],
-            num_prompt_tokens=req.num_prompt_tokens,
-            timing=prefill_pb2.PrefillTiming(
-                arrival_unix_s=arrival,
-                queue_s=queue_s,
-                prefill_s=prefill_s,
-                state_put_s=put_s,
-                state_bytes=writer.num_bytes,
-                state_stream_s=stream_s,
-            ),
+        timing = prefill_pb2.PrefillTiming(
+            arrival_unix_s=arrival,
+            queue_s=queue_s,
+            prefill_s=prefill_s,
+            state_put_s=put_s,
+            state_bytes=writer.num_bytes,
+            state_stream_s=stream_s,
         )
-        if update.new_logprobs:
-            response.first_logprobs.CopyFrom(logprobs_to_proto(update.new_logprobs[0]))
-        if isinstance(req.stop_reason, int):
-            response.stop_token_id = req.stop_reason
+        response = first_token_response(update, reason, timing)
         if reason is None:
             response.state.CopyFrom(
                 common_pb2.StateHandle(
