@@ -27,6 +27,7 @@ class LruIndex:
         self.num_bytes = 0
         self._sizes: OrderedDict[Hashable, int] = OrderedDict()
         self._pins: dict[Hashable, int] = {}
+        self._num_objects_per_key: dict[Hashable, int] = {}  # a chunk id's key, else the id itself
 
     def __contains__(self, oid: Hashable) -> bool:
         return oid in self._sizes
@@ -38,9 +39,15 @@ class LruIndex:
     def num_pinned(self) -> int:
         return len(self._pins)
 
+    @property
+    def num_keys(self) -> int:
+        """Distinct state keys with at least one object here."""
+        return len(self._num_objects_per_key)
+
     def clear(self) -> None:
         self._sizes.clear()
         self._pins.clear()
+        self._num_objects_per_key.clear()
         self.num_bytes = 0
 
     def victims(self, oid: Hashable, size: int) -> list[Hashable]:
@@ -66,6 +73,9 @@ class LruIndex:
         return chosen
 
     def add(self, oid: Hashable, size: int) -> None:
+        if oid not in self._sizes:
+            key = _key_of(oid)
+            self._num_objects_per_key[key] = self._num_objects_per_key.get(key, 0) + 1
         self.num_bytes += size - self._sizes.get(oid, 0)
         self._sizes[oid] = size
         self._sizes.move_to_end(oid)
@@ -74,6 +84,11 @@ class LruIndex:
         self._sizes.move_to_end(oid)
 
     def discard(self, oid: Hashable) -> int:
+        if oid in self._sizes:
+            key = _key_of(oid)
+            remaining = self._num_objects_per_key.pop(key) - 1
+            if remaining:
+                self._num_objects_per_key[key] = remaining
         size = self._sizes.pop(oid, 0)
         self._pins.pop(oid, None)
         self.num_bytes -= size
@@ -127,4 +142,11 @@ class LruTier(Tier):
     def stats(self) -> TierStats:
         with self._lock:
             index = self._index
-            return TierStats(self.name, index.num_bytes, index.capacity_bytes, len(index), index.num_pinned)
+            return TierStats(
+                self.name, index.num_bytes, index.capacity_bytes, len(index), index.num_pinned, index.num_keys
+            )
+
+
+def _key_of(oid: Hashable) -> Hashable:
+    """The state key an object belongs to (a `ChunkId`'s key); any other id counts as its own key."""
+    return getattr(oid, "key", oid)

@@ -41,6 +41,7 @@ class TierStats:
     capacity_bytes: int
     num_objects: int
     num_pinned: int
+    num_keys: int = 0  # distinct keys with at least one object in this tier
 
 
 @dataclass

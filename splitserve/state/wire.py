@@ -117,5 +117,8 @@ def stats_to_proto(stats: StoreStats) -> store_pb2.StoreStats:
 
 
 def stats_from_proto(msg: store_pb2.StoreStats) -> StoreStats:
-    tiers = [TierStats(t.name, t.num_bytes, t.capacity_bytes, t.num_objects, t.num_pinned) for t in msg.tiers]
+    tiers = [
+        TierStats(t.name, t.num_bytes, t.capacity_bytes, t.num_objects, t.num_pinned, t.num_keys)
+        for t in msg.tiers
+    ]
     return StoreStats(tiers=tiers, **{name: getattr(msg, name) for name in _COUNTERS})

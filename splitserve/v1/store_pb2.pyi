@@ -110,18 +110,20 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "num_bytes", "capacity_bytes", "num_objects", "num_pinned")
+    __slots__ = ("name", "num_bytes", "capacity_bytes", "num_objects", "num_pinned", "num_keys")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_OBJECTS_FIELD_NUMBER: _ClassVar[int]
     NUM_PINNED_FIELD_NUMBER: _ClassVar[int]
+    NUM_KEYS_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_bytes: int
     capacity_bytes: int
     num_objects: int
     num_pinned: int
-    def __init__(self, name: _Optional[str] = ..., num_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., num_objects: _Optional[int] = ..., num_pinned: _Optional[int] = ...) -> None: ...
+    num_keys: int
+    def __init__(self, name: _Optional[str] = ..., num_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., num_objects: _Optional[int] = ..., num_pinned: _Optional[int] = ..., num_keys: _Optional[int] = ...) -> None: ...
 
 class StoreStats(_message.Message):
     __slots__ = ("tiers", "num_keys", "num_hits", "num_misses", "num_prefix_hits", "num_spills", "num_evictions", "num_expiries", "num_releases", "num_corruptions")

@@ -28,8 +28,11 @@ def test_evicted_chunks_spill_to_disk_and_read_back_exactly(store: StateStore) -
     stats = store.stats()
     memory, disk = stats.tiers
     assert (memory.num_objects, disk.num_objects) == (4, 4)
+    assert (memory.num_keys, disk.num_keys) == (1, 1)  # one key, its chunks split over both tiers
     assert stats.num_spills == 4 and stats.num_evictions == 0
     assert [c.data for c in store.get("req")] == [c.data for c in chunks]
+    store.release("req")
+    assert [(t.num_keys, t.num_objects) for t in store.stats().tiers] == [(0, 0), (0, 0)]
 
 
 def test_a_chunk_too_big_for_memory_goes_straight_to_disk(store: StateStore) -> None:
