@@ -20,7 +20,7 @@ class ColocatedWorkerActor(WorkerActorBase):
         from colocated_worker.servicer import ColocatedServicer
         from splitserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 
-        servicer = ColocatedServicer(self.loop, self.worker_id)
+        servicer = self.servicer = ColocatedServicer(self.loop, self.worker_id)
 
         def register(server: grpc.Server) -> None:
             prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)

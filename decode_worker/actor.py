@@ -20,5 +20,5 @@ class DecodeWorkerActor(WorkerActorBase):
 
         if not self.store_address:
             raise ValueError("a decode worker needs the address of its node's state store")
-        servicer = DecodeServicer(self.loop, self.worker_id, self.store_address)
+        servicer = self.servicer = DecodeServicer(self.loop, self.worker_id, self.store_address)
         return lambda server: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)

@@ -40,6 +40,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self._readers: dict[str, StateReader] = {}
         self._lock = threading.Lock()
 
+    def close(self) -> None:
+        """Close the channel to this node's store."""
+        self.store.close()
+
     def Reserve(
         self, request: decode_pb2.ReserveRequest, context: grpc.ServicerContext
     ) -> decode_pb2.ReserveResponse:

@@ -38,6 +38,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 self._stores[address] = StateStoreClient(address)
             return self._stores[address]
 
+    def close(self) -> None:
+        """Close the channels to every store this worker wrote to."""
+        with self._lock:
+            stores, self._stores = list(self._stores.values()), {}
+        for store in stores:
+            store.close()
+
     def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext
     ) -> prefill_pb2.PrefillResponse:

@@ -32,6 +32,7 @@ class WorkerActorBase:
         self.address: str | None = None
         self._server: grpc.Server | None = None
         self.loop: Any = None
+        self.servicer: Any = None  # set by `register_services`; its `close()`, if any, runs at shutdown
 
     def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         from splitserve.engine.engine_loop import EngineLoop
@@ -75,6 +76,9 @@ class WorkerActorBase:
         if self._server is not None:
             self._server.stop(grace=1.0).wait(5)
             self._server = None
+        close = getattr(self.servicer, "close", None)
+        if close is not None:
+            close()  # the channels it opened (to state stores)
         if self.loop is not None:
             self.loop.stop()
         return num_held
