@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -228,3 +229,32 @@ def test_default_model_path_rebuilds_a_checkpoint_from_an_older_recipe(
     assert default_model_path() == path
     assert json.loads(recipe.read_text())["version"] != 0
     assert sorted(p.name for p in tmp_path.iterdir()) == [f".{DEFAULT_MODEL_NAME}.lock", DEFAULT_MODEL_NAME]
+
+
+def test_cli_make_tiny_model_into_a_folder_it_cannot_create_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    assert cli.main(["make-tiny-model", str(blocker / "m")]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.splitlines() == [
+        f"splitserve make-tiny-model: cannot write a checkpoint to {blocker / 'm'}: Not a directory; "
+        "choose a folder you can write"
+    ]
+
+
+def test_two_first_uses_of_the_default_model_at_once_leave_one_whole_checkpoint(tmp_path: Path) -> None:
+    # Two deployments starting together on a fresh machine: each process asks for the model.
+    code = "from splitserve.default_model import default_model_path; print(default_model_path())"
+    env = {**os.environ, "SPLITSERVE_CACHE_DIR": str(tmp_path)}
+    children = [
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+        for _ in range(2)
+    ]
+    paths = {child.communicate(timeout=300)[0].strip() for child in children}
+    assert [child.returncode for child in children] == [0, 0]
+    assert paths == {str(tmp_path / DEFAULT_MODEL_NAME)}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".{DEFAULT_MODEL_NAME}.lock", DEFAULT_MODEL_NAME]
+    assert KimiLinearForCausalLM.from_pretrained(tmp_path / DEFAULT_MODEL_NAME) is not None

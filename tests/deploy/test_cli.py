@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +20,7 @@ from deploy.local_deployments import RUNTIME_DIR_ENV
 from deploy.report import status_line, status_table
 from tests.deploy.fakes import FAKE_CLASSES, REGISTRY_NAME, REGISTRY_NAMESPACE, Registry
 from tests.deploy.helpers import is_dead, is_dead_controller, small_config
+from tests.deploy.splitserve_process import run_splitserve
 
 
 @pytest.fixture(autouse=True)
@@ -179,36 +178,27 @@ def test_config_check_says_when_the_checkpoint_is_not_on_this_machine(tmp_path, 
 def test_status_from_another_process_prints_the_table(ray_with_registry):
     with run_cluster(small_config(), actor_classes=FAKE_CLASSES) as cluster:
         address = ray.get_runtime_context().gcs_address
-        result = splitserve("status", "--address", address)
+        result = run_splitserve("status", "--address", address)
         assert result.returncode == 0, result.stderr
         lines = result.stdout.splitlines()
         assert lines[0].startswith("model fake-model (disaggregated) - healthy: prefill 1/1, decode 1/1")
         assert [line.split()[0] for line in lines[2:]] == ["gateway", "prefill", "decode", "store"]
         assert cluster.status()["healthy"]  # the other process only disconnected
 
-        resize = splitserve("resize", "decode", "2", "--address", address)
+        resize = run_splitserve("resize", "decode", "2", "--address", address)
         assert resize.returncode == 0, resize.stderr
         assert "decode 2/2" in resize.stdout
         assert len(cluster.status()["pools"]["decode"]["addresses"]) == 2
-        refused = splitserve("resize", "decode", "0", "--address", address)
+        refused = run_splitserve("resize", "decode", "0", "--address", address)
         assert refused.returncode == 1 and "at least 1 replica" in refused.stderr
 
 
 def test_status_without_a_deployment_says_so(ray_with_registry):
     address = ray.get_runtime_context().gcs_address
-    result = splitserve("status", "--address", address)
+    result = run_splitserve("status", "--address", address)
     assert result.returncode == 1
     assert "no splitserve controller in namespace 'splitserve'" in result.stderr
-    named = splitserve("status", "--address", address, "--name", "other")
+    named = run_splitserve("status", "--address", address, "--name", "other")
     assert named.returncode == 1
     assert "no splitserve controller in namespace 'splitserve-other'" in named.stderr
     assert "splitserve up --name other" in named.stderr
-
-
-def splitserve(*args: str, runtime_dir: str | None = None) -> subprocess.CompletedProcess[str]:
-    """`splitserve ARGS` in a child process; it sees the deployments recorded in `runtime_dir`
-    (default: this test's own, empty unless the test records one)."""
-    env = {**os.environ, RUNTIME_DIR_ENV: runtime_dir or os.environ[RUNTIME_DIR_ENV]}
-    return subprocess.run(
-        [sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, timeout=120, env=env
-    )

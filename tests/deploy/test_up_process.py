@@ -1,0 +1,135 @@
+"""`splitserve up` as a real process (the tiny model, real workers, its own local Ray), stopped the
+way systemd and `kill -- -PGID` stop it: SIGTERM to its whole process group, Ray included.
+
+Before, `up` then waited 60 s for the GCS that died with it and exited 1. The bound here is
+the 30 s wait for the exit; nothing may be left running in its session afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO
+
+import pytest
+
+from deploy.local_deployments import RUNTIME_DIR_ENV
+from tests.deploy.helpers import wait_until
+from tests.deploy.splitserve_process import run_splitserve
+
+STOP_TIMEOUT_S = 30
+START_TIMEOUT_S = 600  # the first start may build the tiny model; this machine may be busy
+
+
+def alive_in_session(session_id: int) -> list[str]:
+    """`pid command` of every process of that session that is not a zombie."""
+    alive = []
+    for stat_path in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            stat = stat_path.read_text()
+        except OSError:  # ended while we looked
+            continue
+        state, _ppid, _pgrp, session = stat[stat.rindex(")") + 2 :].split()[:4]
+        if int(session) == session_id and state not in "ZX":
+            alive.append(f"{stat_path.parent.name} {stat[stat.index('(') : stat.rindex(')') + 1]}")
+    return alive
+
+
+class UpProcess:
+    """Owns a `splitserve up` child in a new session (so its process group is its own) and its output."""
+
+    def __init__(self, config: Path, runtime_dir: Path, name: str) -> None:
+        env = {**os.environ, RUNTIME_DIR_ENV: str(runtime_dir)}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "cli.main", "up", "--config", str(config), "--name", name],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.stderr: list[str] = []
+        threading.Thread(target=self._read, args=(self.process.stdout, self.lines.put), daemon=True).start()
+        threading.Thread(
+            target=self._read, args=(self.process.stderr, self.stderr.append), daemon=True
+        ).start()
+
+    @staticmethod
+    def _read(stream: IO[str], sink: Callable[[str], object]) -> None:
+        for line in stream:
+            sink(line)
+
+    def wait_for_line(self, prefix: str, timeout_s: float) -> str:
+        while True:
+            try:
+                line = self.lines.get(timeout=timeout_s)
+            except queue.Empty:
+                pytest.fail(
+                    f"`up` printed no line starting {prefix!r} in {timeout_s} s; stderr: {self.stderr}"
+                )
+            if line.startswith(prefix):
+                return line
+            assert "DEGRADED" not in line and "lost" not in line, line
+
+    def kill_group(self) -> None:
+        """SIGKILL whatever is left (test cleanup only)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+
+@pytest.fixture
+def up(tmp_path: Path) -> Iterator[tuple[UpProcess, Path]]:
+    runtime_dir = Path(tempfile.mkdtemp(prefix="ss-"))  # short: Ray's socket paths live under it
+    config = tmp_path / "tiny.yaml"
+    config.write_text(
+        "gateway: {port: 0}\n"
+        "prefill: {num_cpus: 0.5, kv_cache_memory_bytes: 16MiB}\n"
+        "decode: {num_cpus: 0.5, kv_cache_memory_bytes: 16MiB}\n"
+        f"store: {{memory_bytes: 64MiB, disk: {{path: {tmp_path / 'store'}, bytes: 64MiB}}}}\n"
+    )
+    process = UpProcess(config, runtime_dir, "sigterm")
+    try:
+        yield process, runtime_dir
+    finally:
+        process.kill_group()
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+def test_sigterm_to_the_process_group_stops_up_and_leaves_nothing_running(up):
+    process, runtime_dir = up
+    process.wait_for_line("healthy:", START_TIMEOUT_S)
+    record = json.loads((runtime_dir / "sigterm.json").read_text())
+    assert record["pid"] == process.process.pid and record["namespace"] == "splitserve-sigterm"
+
+    # The recorded deployment is the one `status` finds, with no --address.
+    status = run_splitserve("status", runtime_dir=str(runtime_dir))
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.startswith("model tiny-kimi-linear (disaggregated) - healthy")
+    assert record["gateway_url"] in status.stdout
+
+    running = alive_in_session(process.process.pid)
+    assert any("raylet" in p for p in running) and any("gcs_server" in p for p in running), running
+
+    os.killpg(process.process.pid, signal.SIGTERM)
+    try:
+        returncode = process.process.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"`up` still running {STOP_TIMEOUT_S} s after SIGTERM to its group")
+    assert returncode == 0, "".join(process.stderr)
+    wait_until(
+        lambda: not alive_in_session(process.process.pid), timeout_s=STOP_TIMEOUT_S, what="no process left"
+    )
+    assert "stopped\n" in process.stderr
+    assert not (runtime_dir / "sigterm.json").exists()
