@@ -74,7 +74,7 @@ class ClusterHandle:
         return wait_for(self.controller.status.remote(), self.address, timeout_s)  # type: ignore[no-any-return]
 
     def resize(self, pool: str, replicas: int) -> dict[str, Any]:
-        return ray.get(self.controller.resize.remote(pool, replicas))  # type: ignore[no-any-return]
+        return wait_for(self.controller.resize.remote(pool, replicas), self.address, None)  # type: ignore[no-any-return]
 
     @property
     def gateway_url(self) -> str | None:
@@ -132,8 +132,8 @@ def required_resources(config: ClusterConfig) -> dict[str, float]:
 def _kill_local_ray() -> None:
     """SIGKILL what is left of the local Ray this process started, whose GCS is already gone.
 
-    `ray.shutdown()` gives each of its processes a second to exit after a SIGTERM; dying
-    without their GCS, they have nothing to finish, so stopping should not wait on them.
+    Without their GCS they have nothing left to finish; a raylet whose GCS alone was killed
+    would otherwise run on, and the others take seconds to exit on the group's SIGTERM.
     """
     node = getattr(ray._private.worker, "_global_node", None)
     if node is not None:
@@ -184,7 +184,7 @@ def run_cluster(
             address=ray_address,
             namespace=namespace,
         )
-        ray.get(controller.start.remote())
+        wait_for(controller.start.remote(), ray_address, None)
         _wait_healthy(handle, config.health.start_timeout_s)
         return handle
     except BaseException as exc:  # Ctrl-C included: end whatever was started, then re-raise
