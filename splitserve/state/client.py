@@ -9,6 +9,7 @@ import grpc
 
 from splitserve import rpc
 from splitserve.state.chunk import Chunk
+from splitserve.state.errors import StateUnavailableError
 from splitserve.state.records import KeyInfo, ReleaseResult, StoreStats
 from splitserve.state.status import error_from_rpc
 from splitserve.state.streams import ChunkStream, PutStream
@@ -127,9 +128,12 @@ class StateStoreClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @staticmethod
-    def _call(fn: Callable[[], T]) -> T:
+    def _call(self, fn: Callable[[], T]) -> T:
         try:
             return fn()
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
+        except ValueError as e:  # grpc's "Cannot invoke RPC on closed channel!"
+            if "closed channel" not in str(e):
+                raise
+            raise StateUnavailableError(f"the client of the store at {self.address} is closed") from None

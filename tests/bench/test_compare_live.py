@@ -103,6 +103,7 @@ def ray_tmpdir(monkeypatch) -> Iterator[str]:
     """A short folder of its own for Ray's sessions (socket paths have a length limit)."""
     path = tempfile.mkdtemp(prefix="ssbc-", dir="/tmp")
     monkeypatch.setenv("RAY_TMPDIR", path)
+    monkeypatch.setenv("SPLITSERVE_RUNTIME_DIR", path)  # a local Ray a deployment starts lives here
     monkeypatch.delenv("RAY_ADDRESS", raising=False)  # each deployment gets its own local Ray
     yield path
     shutil.rmtree(path, ignore_errors=True)

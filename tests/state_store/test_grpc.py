@@ -151,3 +151,13 @@ def test_an_unreachable_store_raises_unavailable() -> None:
         assert status_code(err.value) == grpc.StatusCode.UNAVAILABLE  # passed on, it keeps its status
     finally:
         client.close()
+
+
+def test_a_call_on_a_closed_client_is_a_store_error_not_a_grpc_value_error(
+    server: StateStoreServer,
+) -> None:
+    """A worker's timer may release a key after the worker closed its client at shutdown."""
+    client = StateStoreClient(server.address, timeout_s=WAIT_S)
+    client.close()
+    with pytest.raises(StateUnavailableError, match="is closed"):
+        client.release("some-key")
