@@ -261,12 +261,7 @@ def test_real_store_and_workers_start_report_load_and_restart(registry):
         prefill, decode = status["pools"]["prefill"]["addresses"], status["pools"]["decode"]["addresses"]
         assert events(registry, "update_workers")[-1] == ("update_workers", prefill, decode)
 
-        ray.kill(ray.get(cluster.controller.worker_handle.remote("decode", 0)))
-        pool = wait_until(
-            lambda: (p := cluster.status()["pools"]["decode"])["restarts"] == 1 and p["healthy"] and p,
-            what="the real decode worker to restart",
-            timeout_s=180,
-        )
+        pool = kill_decode_worker_and_wait_for_its_restart(cluster)
         assert pool["addresses"] != decode
         wait_until(
             lambda: events(registry, "update_workers")[-1] == ("update_workers", prefill, pool["addresses"]),
@@ -280,6 +275,16 @@ def test_a_worker_that_fails_to_start_fails_the_launch_naming_it_and_leaves_noth
     assert is_dead_controller() and live_groups() == []
     handles = [h for _, _, h in ray.get(registry.get_handles.remote())]
     assert handles and all(is_dead(h) for h in handles)
+
+
+def kill_decode_worker_and_wait_for_its_restart(cluster: Any) -> dict[str, Any]:
+    """Kills decode replica 0; returns the decode pool's status once its one restart is healthy."""
+    ray.kill(ray.get(cluster.controller.worker_handle.remote("decode", 0)))
+    return wait_until(  # type: ignore[no-any-return]
+        lambda: (p := cluster.status()["pools"]["decode"])["restarts"] == 1 and p["healthy"] and p,
+        what="the decode worker to restart",
+        timeout_s=180,
+    )
 
 
 def is_idle(status: dict[str, Any]) -> bool:
@@ -320,12 +325,7 @@ def test_the_real_deployment_serves_a_completion_before_and_after_a_decode_resta
         check_status_shape(status)
         assert status["gateway"]["stats"]["ready"] and status["gateway"]["url"] == url
         old = status["pools"]["decode"]["addresses"]
-        ray.kill(ray.get(cluster.controller.worker_handle.remote("decode", 0)))
-        pool = wait_until(
-            lambda: (p := cluster.status()["pools"]["decode"])["restarts"] == 1 and p["healthy"] and p,
-            what="the decode worker to restart",
-            timeout_s=180,
-        )
+        pool = kill_decode_worker_and_wait_for_its_restart(cluster)
         assert pool["addresses"] != old
         wait_until(
             lambda: cluster.status()["published"]["decode"] == pool["addresses"],
