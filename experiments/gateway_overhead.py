@@ -55,8 +55,8 @@ from experiments.instant_worker import InstantConfig, instant_worker_process
 from experiments.server_process import ServerProcess, cpu_seconds, wait_until_told
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokenizer import Tokenizer
-from splitserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from splitserve.wire import sampling_params_to_proto
+from splitserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from splitserve.wire import decode_request, prefill_request, sampling_params_to_proto
 
 MODEL = "instant"
 WARM_UP_REQUESTS = 32
@@ -104,28 +104,14 @@ async def _one_direct(
     if not reservation.accepted:
         raise RuntimeError(f"Reserve rejected {request_id}: {reservation.reject_reason}")
     response = await prefill.Prefill(
-        prefill_pb2.PrefillRequest(
-            request_id=request_id,
-            prompt_token_ids=ids,
-            sampling_params=params,
-            store_address=reservation.store_address,
-            state_key=reservation.state_key,
-            state_owner=reservation.state_owner,
-        ),
-        timeout=RPC_TIMEOUT_S,
+        prefill_request(request_id, ids, params, reservation), timeout=RPC_TIMEOUT_S
     )
     first_s = time.perf_counter()
     num_tokens = 1
     if response.finish_reason:  # nothing to decode: give the reservation back, as the gateway does
         await decode.Abort(decode_pb2.AbortDecodeRequest(request_id=request_id), timeout=RPC_TIMEOUT_S)
     else:
-        request = decode_pb2.DecodeRequest(
-            request_id=request_id,
-            prompt_token_ids=ids,
-            sampling_params=params,
-            first_token_id=response.first_token_id,
-            state=response.state,
-        )
+        request = decode_request(request_id, ids, params, response)
         async for delta in decode.Decode(request, timeout=RPC_TIMEOUT_S):
             num_tokens += len(delta.token_ids)
     return first_s - send_s, time.perf_counter() - send_s, num_tokens

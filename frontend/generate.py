@@ -28,7 +28,7 @@ from frontend.steps import OutputSteps, Step
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokenizer import Tokenizer
 from splitserve.v1 import common_pb2, decode_pb2, prefill_pb2
-from splitserve.wire import FINISH_FROM_PROTO, sampling_params_to_proto
+from splitserve.wire import FINISH_FROM_PROTO, decode_request, prefill_request, sampling_params_to_proto
 
 logger = logging.getLogger(__name__)
 
@@ -196,16 +196,13 @@ class Generation:
     async def _prefill(
         self, address: str, reservation: decode_pb2.ReserveResponse | None
     ) -> prefill_pb2.PrefillResponse:
-        request = prefill_pb2.PrefillRequest(
-            request_id=self.request_id,
-            prompt_token_ids=self.prompt_ids,
-            sampling_params=sampling_params_to_proto(self.params),
-            lease_s=self.p.settings.state_lease_s,
+        request = prefill_request(
+            self.request_id,
+            self.prompt_ids,
+            sampling_params_to_proto(self.params),
+            reservation,
+            self.p.settings.state_lease_s,
         )
-        if reservation is not None:
-            request.store_address = reservation.store_address
-            request.state_key = reservation.state_key
-            request.state_owner = reservation.state_owner
         self._prefill_address = address
         self._prefill_in_flight = True
         self.p.router.on_prefill_start(address, len(self.prompt_ids))
@@ -226,13 +223,8 @@ class Generation:
 
     def _open_decode(self, response: prefill_pb2.PrefillResponse) -> None:
         """Hand the prefilled request to its reserved decode worker: the reservation becomes a stream."""
-        request = decode_pb2.DecodeRequest(
-            request_id=self.request_id,
-            prompt_token_ids=self.prompt_ids,
-            sampling_params=sampling_params_to_proto(self.params),
-            first_token_id=response.first_token_id,
-            first_logprobs=response.first_logprobs,
-            state=response.state,
+        request = decode_request(
+            self.request_id, self.prompt_ids, sampling_params_to_proto(self.params), response
         )
         assert self._decode_address is not None
         self._stream = self.p.clients.decode(self._decode_address, request, self._remaining_s())

@@ -6,7 +6,7 @@ One place for every field mapping, so the frontend and the workers cannot disagr
 from __future__ import annotations
 
 from splitserve.sampling_params import SamplingParams
-from splitserve.v1 import common_pb2
+from splitserve.v1 import common_pb2, decode_pb2, prefill_pb2
 
 FINISH_TO_PROTO = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -73,3 +73,38 @@ def logprobs_to_proto(entry: dict[int, float] | None) -> common_pb2.TokenLogprob
 
 def logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> dict[int, float]:
     return dict(zip(msg.token_ids, msg.logprobs))
+
+
+def prefill_request(
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: common_pb2.SamplingParams,
+    reservation: decode_pb2.ReserveResponse | None = None,
+    lease_s: float = 0.0,
+) -> prefill_pb2.PrefillRequest:
+    """Prefill of a prompt whose state goes where `reservation` says (None: max_tokens 1, no state)."""
+    request = prefill_pb2.PrefillRequest(
+        request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=params, lease_s=lease_s
+    )
+    if reservation is not None:
+        request.store_address = reservation.store_address
+        request.state_key = reservation.state_key
+        request.state_owner = reservation.state_owner
+    return request
+
+
+def decode_request(
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: common_pb2.SamplingParams,
+    first: prefill_pb2.PrefillResponse,
+) -> decode_pb2.DecodeRequest:
+    """Decode of a prefilled request, from the prefill's first token (and logprobs) and state handle."""
+    return decode_pb2.DecodeRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt_token_ids,
+        sampling_params=params,
+        first_token_id=first.first_token_id,
+        first_logprobs=first.first_logprobs,
+        state=first.state,
+    )

@@ -9,7 +9,7 @@ import grpc
 from splitserve.rpc import make_channel
 from splitserve.sampling_params import SamplingParams
 from splitserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from splitserve.wire import FINISH_FROM_PROTO, sampling_params_to_proto
+from splitserve.wire import FINISH_FROM_PROTO, decode_request, prefill_request, sampling_params_to_proto
 
 
 @dataclass
@@ -43,14 +43,7 @@ def generate(
     with make_channel(prefill_address) as pc, make_channel(decode_address) as dc:
         prefill, decode = prefill_pb2_grpc.PrefillStub(pc), decode_pb2_grpc.DecodeStub(dc)
         sp = sampling_params_to_proto(params)
-        request = prefill_pb2.PrefillRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt,
-            sampling_params=sp,
-            store_address=reserved.store_address,
-            state_key=reserved.state_key,
-            state_owner=reserved.state_owner,
-        )
+        request = prefill_request(request_id, prompt, sp, reserved)
         try:
             first = prefill.Prefill(request, timeout=60)
         except grpc.RpcError:
@@ -62,17 +55,7 @@ def generate(
         if result.finish_reason is not None:
             decode.Abort(decode_pb2.AbortDecodeRequest(request_id=request_id), timeout=30)
             return result
-        stream = decode.Decode(
-            decode_pb2.DecodeRequest(
-                request_id=request_id,
-                prompt_token_ids=prompt,
-                sampling_params=sp,
-                first_token_id=first.first_token_id,
-                first_logprobs=first.first_logprobs,
-                state=first.state,
-            ),
-            timeout=60,
-        )
+        stream = decode.Decode(decode_request(request_id, prompt, sp, first), timeout=60)
         for delta in stream:
             result.token_ids += list(delta.token_ids)
             result.finish_reason = FINISH_FROM_PROTO[delta.finish_reason]

@@ -17,7 +17,7 @@ from splitserve.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from splitserve.wire import sampling_params_to_proto
+from splitserve.wire import decode_request, prefill_request, sampling_params_to_proto
 from tests.workers.client import generate
 
 PROMPTS = [[5, 6, 7], list(range(3, 140)), [40] * 20 + list(range(60, 100)), list(range(200, 210))]
@@ -124,7 +124,7 @@ def _wait_until(condition, timeout_s: float = 30.0) -> bool:
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
 def test_client_that_disconnects_mid_stream_frees_everything(cluster, store_server, mode):
-    from splitserve.v1 import prefill_pb2, prefill_pb2_grpc
+    from splitserve.v1 import prefill_pb2_grpc
     from splitserve.wire import sampling_params_to_proto
 
     workers, addr = cluster
@@ -140,25 +140,9 @@ def test_client_that_disconnects_mid_stream_frees_everything(cluster, store_serv
             decode_pb2.ReserveRequest(request_id=f"gone-{mode}", num_prompt_tokens=len(prompt))
         )
         first = prefill_pb2_grpc.PrefillStub(pc).Prefill(
-            prefill_pb2.PrefillRequest(
-                request_id=f"gone-{mode}",
-                prompt_token_ids=prompt,
-                sampling_params=params,
-                store_address=reserved.store_address,
-                state_key=reserved.state_key,
-                state_owner=reserved.state_owner,
-            ),
-            timeout=60,
+            prefill_request(f"gone-{mode}", prompt, params, reserved), timeout=60
         )
-        stream = decode.Decode(
-            decode_pb2.DecodeRequest(
-                request_id=f"gone-{mode}",
-                prompt_token_ids=prompt,
-                sampling_params=params,
-                first_token_id=first.first_token_id,
-                state=first.state,
-            )
-        )
+        stream = decode.Decode(decode_request(f"gone-{mode}", prompt, params, first))
         next(stream)
         assert decoder.stats()["num_running"] == 1
         stream.cancel()  # the client goes away
