@@ -4,38 +4,25 @@ own store, and each worker is given its own node's store address."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import ray
 from ray.cluster_utils import Cluster
 
 from deploy.launcher import run_cluster
-from tests.deploy.fakes import FAKE_CLASSES, REGISTRY_NAME, REGISTRY_NAMESPACE, Registry
+from tests.deploy.conftest import two_node_cluster
+from tests.deploy.fakes import FAKE_CLASSES
 from tests.deploy.helpers import small_config
 
 
 @pytest.fixture(scope="module")
-def two_nodes() -> Iterator[Cluster]:
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    cluster.add_node(num_cpus=2)
-    ray.init(address=cluster.address, log_to_driver=False)
-    cluster.wait_for_nodes()
-    try:
+def ray_cluster() -> Iterator[Cluster]:
+    """Two nodes instead of conftest's one (the registry fixture runs on this one)."""
+    with two_node_cluster() as cluster:
         yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
-@pytest.fixture
-def registry(two_nodes: Cluster) -> Iterator[Any]:
-    actor = Registry.options(name=REGISTRY_NAME, namespace=REGISTRY_NAMESPACE).remote()
-    yield actor
-    ray.kill(actor)
-
-
-def test_strict_spread_puts_a_replica_and_a_store_on_each_node(two_nodes, registry):
+def test_strict_spread_puts_a_replica_and_a_store_on_each_node(registry):
     config = small_config(prefill={"replicas": 2, "placement": "STRICT_SPREAD"}, decode={"num_cpus": 0.25})
     with run_cluster(config, actor_classes=FAKE_CLASSES) as cluster:
         status = cluster.status()

@@ -5,8 +5,6 @@ every worker is idle and both stores are empty."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,6 +18,7 @@ from deploy.launcher import ClusterHandle, run_cluster
 from splitserve import LLM, SamplingParams
 from splitserve.config import parse_config
 from splitserve.tiny_model import make_tiny_model
+from tests.deploy.conftest import two_node_cluster
 from tests.e2e.helpers import assert_idle, complete, openai_client
 
 NUM_CPUS_PER_NODE = 2
@@ -42,33 +41,8 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def two_nodes() -> Iterator[Cluster]:
-    """Two raylets and a GCS of our own; every process they started ends with the module.
-
-    A `Cluster` writes its address to `<RAY_TMPDIR>/ray/ray_current_cluster`, where a plain
-    `ray.init()` elsewhere on this machine would find it and join; an own RAY_TMPDIR (short,
-    since Ray's socket paths live under it) keeps this cluster to this module.
-    """
-    temp_dir = tempfile.mkdtemp(prefix="ssmn-", dir="/tmp")
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("RAY_TMPDIR", temp_dir)
-        env.delenv("RAY_ADDRESS", raising=False)
-        cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": NUM_CPUS_PER_NODE,
-                "include_dashboard": False,
-                "dashboard_agent_listen_port": None,  # any free port, as the Cluster picks for other nodes
-            },
-        )
-        try:
-            cluster.add_node(num_cpus=NUM_CPUS_PER_NODE)
-            cluster.wait_for_nodes()
-            ray.init(address=cluster.address, log_to_driver=False)
-            yield cluster
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
-            shutil.rmtree(temp_dir, ignore_errors=True)
+    with two_node_cluster(NUM_CPUS_PER_NODE) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")
