@@ -95,7 +95,7 @@ class Chunk:
     """A chunk's metadata and bytes; `len(data)` must equal what shape and dtype say."""
 
     meta: ChunkMeta
-    data: bytes
+    data: bytes | memoryview  # a memoryview: a zero-copy view of a shared-memory region
 
     def __post_init__(self) -> None:
         if len(self.data) != self.meta.num_bytes:
@@ -103,6 +103,59 @@ class Chunk:
                 f"{self.meta.describe()}: {len(self.data)} bytes, but shape {self.meta.shape} of "
                 f"{self.meta.dtype} is {self.meta.num_bytes} bytes"
             )
+
+
+class ChunkSpan(NamedTuple):
+    """One chunk's place in a tensor's bytes: [byte_start, byte_end), its shape and tokens."""
+
+    byte_start: int
+    byte_end: int
+    shape: tuple[int, ...]
+    token_start: int
+    token_end: int
+
+
+def chunk_layout(
+    kind: StateKind | str,
+    num_bytes: int,
+    *,
+    dtype: str,
+    shape: Sequence[int],
+    token_start: int,
+    token_end: int,
+    max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> list[ChunkSpan]:
+    """How one tensor of `num_bytes` splits along dim 0 into chunks of at most `max_chunk_bytes`.
+
+    MLA KV rows are tokens, so each MLA chunk gets the token range of its rows; every other kind
+    is a state at one point, and all its chunks carry the whole range. Raises
+    `InvalidChunkError` if the bytes, shape and tokens do not agree.
+    """
+    kind = StateKind(kind)
+    shape = tuple(int(d) for d in shape)
+    if dtype not in DTYPE_ITEMSIZE:
+        raise InvalidChunkError(f"dtype {dtype!r} unknown; use one of {sorted(DTYPE_ITEMSIZE)}")
+    num_rows = shape[0] if shape else 1
+    row_bytes = math.prod(shape[1:]) * DTYPE_ITEMSIZE[dtype] if shape else DTYPE_ITEMSIZE[dtype]
+    if num_bytes != num_rows * row_bytes:
+        raise InvalidChunkError(f"{num_bytes} bytes do not hold shape {shape} of {dtype}")
+    if kind is StateKind.MLA_KV and num_rows != token_end - token_start:
+        raise InvalidChunkError(f"MLA KV has {num_rows} rows for tokens [{token_start}, {token_end})")
+    if row_bytes > max_chunk_bytes:
+        raise InvalidChunkError(
+            f"one row of shape {shape} is {row_bytes} bytes, over max_chunk_bytes={max_chunk_bytes}; "
+            "reshape so dim 0 is finer (e.g. [heads * head_k_dim, head_v_dim])"
+        )
+    rows_per_chunk = max(1, max_chunk_bytes // row_bytes) if row_bytes else max(1, num_rows)
+    spans = []
+    for row in range(0, num_rows, rows_per_chunk) if num_rows else [0]:
+        end = min(row + rows_per_chunk, num_rows)
+        tokens = (
+            (token_start + row, token_start + end) if kind is StateKind.MLA_KV else (token_start, token_end)
+        )
+        chunk_shape = (end - row, *shape[1:]) if shape else shape
+        spans.append(ChunkSpan(row * row_bytes, end * row_bytes, chunk_shape, *tokens))
+    return spans
 
 
 def make_chunks(
@@ -117,41 +170,36 @@ def make_chunks(
     token_end: int,
     max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> list[Chunk]:
-    """Splits one tensor's bytes along dim 0 into checksummed chunks of at most `max_chunk_bytes`.
+    """Splits one tensor's bytes along dim 0 (`chunk_layout`) into checksummed chunks.
 
     `data` may be any C-contiguous buffer (a memoryview of a tensor's memory too): each chunk's
-    bytes are copied out of it once, and nothing else is. MLA KV rows are tokens, so each MLA
-    chunk gets the token range of its rows; every other kind is a state at one point, and all its
-    chunks carry the whole range.
+    bytes are copied out of it once, and nothing else is.
     """
     kind = StateKind(kind)
-    shape = tuple(int(d) for d in shape)
-    if dtype not in DTYPE_ITEMSIZE:
-        raise InvalidChunkError(f"dtype {dtype!r} unknown; use one of {sorted(DTYPE_ITEMSIZE)}")
     view = memoryview(data).cast("B")
-    num_rows = shape[0] if shape else 1
-    row_bytes = math.prod(shape[1:]) * DTYPE_ITEMSIZE[dtype] if shape else DTYPE_ITEMSIZE[dtype]
-    if view.nbytes != num_rows * row_bytes:
-        raise InvalidChunkError(f"{view.nbytes} bytes do not hold shape {shape} of {dtype}")
-    if kind is StateKind.MLA_KV and num_rows != token_end - token_start:
-        raise InvalidChunkError(f"MLA KV has {num_rows} rows for tokens [{token_start}, {token_end})")
-    if row_bytes > max_chunk_bytes:
-        raise InvalidChunkError(
-            f"one row of shape {shape} is {row_bytes} bytes, over max_chunk_bytes={max_chunk_bytes}; "
-            "reshape so dim 0 is finer (e.g. [heads * head_k_dim, head_v_dim])"
-        )
-    rows_per_chunk = max(1, max_chunk_bytes // row_bytes) if row_bytes else max(1, num_rows)
-    starts = list(range(0, num_rows, rows_per_chunk)) or [0]
+    spans = chunk_layout(
+        kind,
+        view.nbytes,
+        dtype=dtype,
+        shape=shape,
+        token_start=token_start,
+        token_end=token_end,
+        max_chunk_bytes=max_chunk_bytes,
+    )
     chunks = []
-    for index, row in enumerate(starts):
-        end = min(row + rows_per_chunk, num_rows)
-        piece = view[row * row_bytes : end * row_bytes]
-        tokens = (
-            (token_start + row, token_start + end) if kind is StateKind.MLA_KV else (token_start, token_end)
-        )
-        chunk_shape = (end - row, *shape[1:]) if shape else shape
+    for index, span in enumerate(spans):
+        piece = view[span.byte_start : span.byte_end]
         meta = ChunkMeta(
-            key, layer, kind, dtype, chunk_shape, *tokens, checksum.compute(piece), index, len(starts)
+            key,
+            layer,
+            kind,
+            dtype,
+            span.shape,
+            span.token_start,
+            span.token_end,
+            checksum.compute(piece),
+            index,
+            len(spans),
         )
         chunks.append(Chunk(meta, piece.tobytes()))
     return chunks
