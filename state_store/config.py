@@ -17,6 +17,8 @@ class StoreConfig:
     default_lease_s: float = 60.0
     max_chunk_bytes: int = MAX_CHUNK_BYTES
     num_tombstones: int = 65536  # gone keys remembered, so a late read says why it failed
+    # Shared-memory arena for writers and readers on this node (None: bytes over gRPC only).
+    arena_root: str | None = "/dev/shm/splitserve-arenas"
 
     def __post_init__(self) -> None:
         if self.memory_bytes < 0 or self.disk_bytes < 0:

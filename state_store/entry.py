@@ -9,12 +9,14 @@ from collections.abc import Callable
 
 from splitserve.state.chunk import ChunkId, ChunkMeta
 from splitserve.state.errors import StateStoreError, StateTimeoutError
+from state_store.arena import Region
 
 Gone = tuple[type[StateStoreError], str]
 
 
 class Entry:
-    """One key's chunks (metadata only: the bytes live in the tiers), seal flag, pins, waiters.
+    """One key's chunks (metadata only: the bytes live in the tiers or in arena regions), seal
+    flag, pins, waiters.
 
     Not thread-safe: the store holds its lock (the one `cond` is built on) around every use.
     `gone` is set, and the waiters woken, when the store drops the key.
@@ -30,6 +32,8 @@ class Entry:
         self.num_bytes = 0
         self.num_pins = 0
         self.gone: Gone | None = None
+        self.regions: dict[str, Region] = {}  # arena regions allocated to this key, by name
+        self.locations: dict[ChunkId, tuple[Region, int]] = {}  # chunks committed in a region: where
 
     def add(self, meta: ChunkMeta) -> None:
         self.metas[meta.id] = meta

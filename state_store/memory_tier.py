@@ -11,7 +11,8 @@ from state_store.tier import Evicted
 class MemoryTier(LruTier):
     """Holds objects in host RAM up to `capacity_bytes`.
 
-    Owns the `bytes` objects it was given (no copies: they are immutable). Evictions hand the
+    Owns the `bytes` objects it was given (no copies: they are immutable), and counts the store's
+    shared-memory regions (memoryviews of them, pinned while their key lives) against its room. Evictions hand the
     bytes back in `Evicted.data` so the store can spill them to the next tier. See `Tier` for the
     locking, eviction and pin contract.
     """
@@ -23,7 +24,8 @@ class MemoryTier(LruTier):
         self._objects: dict[Hashable, bytes] = {}
 
     def put(self, oid: Hashable, data: bytes) -> list[Evicted]:
-        data = bytes(data)
+        if not isinstance(data, (bytes, memoryview)):  # a store's arena region comes as a memoryview
+            data = bytes(data)
         with self._lock:
             victims = self._index.victims(oid, len(data))
             evicted = [Evicted(v, self._objects.pop(v)) for v in victims]

@@ -1,76 +1,135 @@
-"""The gRPC `StateStore` service (proto/store.proto) over one core `StateStore`."""
+"""The gRPC `StateStore` service (proto/store.proto) over one core `StateStore`, on grpc.aio.
+
+A waiting `Get` (a decode reservation waits from Reserve on) is a coroutine parked on an
+asyncio event that the store's `watch` callback sets, so it holds no thread: a node can have
+thousands outstanding. Store calls that touch bytes (checksums, disk, region files) run on a
+small thread pool, so they never stall the event loop.
+"""
 
 from __future__ import annotations
 
-import threading
+import asyncio
+import contextlib
+import functools
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
+from typing import Any, TypeVar
 
 import grpc
 
-from splitserve.state.errors import StateStoreError
-from splitserve.state.status import abort_with_error
-from splitserve.state.wire import chunk_from_proto, chunk_to_proto, is_seal, key_info_to_proto, stats_to_proto
+from splitserve.state.chunk import Chunk
+from splitserve.state.errors import StateStoreError, StateTimeoutError
+from splitserve.state.status import abort_with_error_async
+from splitserve.state.wire import (
+    chunk_from_proto,
+    chunk_to_proto,
+    is_seal,
+    key_info_to_proto,
+    meta_from_proto,
+    stats_to_proto,
+)
 from splitserve.v1 import common_pb2, store_pb2, store_pb2_grpc
+from state_store.arena import PROBE_NAME
 from state_store.store import StateStore
 
 SERVICE_NAME = store_pb2.DESCRIPTOR.services_by_name["StateStore"].full_name
+T = TypeVar("T")
+_ERRORS = (StateStoreError, ValueError)
 
 
 class StateStoreServicer(store_pb2_grpc.StateStoreServicer):
-    """Serves one core store: owns no state of its own; every chunk travels as one message.
+    """Serves one core store: owns no state of its own; every chunk travels as one message, as
+    bytes or, to a reader on the node that asked for it, as a reference to its arena region.
 
     Chunks are stored and served at the size written (the core refuses chunks over its
     `max_chunk_bytes`, under 4 MiB), so no message nears gRPC's default limit. Store errors end
     the RPC with their status code and their class name in trailing metadata.
     """
 
-    def __init__(self, store: StateStore) -> None:
+    def __init__(self, store: StateStore, executor: Executor) -> None:
         self.store = store
+        self._executor = executor
 
-    def Put(
-        self, request_iterator: Iterator[common_pb2.StateChunk], context: grpc.ServicerContext
+    async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+
+    async def Put(
+        self, request_iterator: AsyncIterator[common_pb2.StateChunk], context: grpc.aio.ServicerContext
     ) -> store_pb2.PutResponse:
         num_chunks = num_bytes = 0
         try:
-            for msg in request_iterator:
+            async for msg in request_iterator:
+                lease_s = msg.lease_s or None
                 if is_seal(msg):
-                    self.store.seal(msg.key, owner=msg.owner)
+                    await self._run(self.store.seal, msg.key, owner=msg.owner)
                     continue
-                chunk = chunk_from_proto(msg)
-                self.store.put(chunk, owner=msg.owner, lease_s=msg.lease_s or None, final=msg.final)
+                if msg.region:
+                    meta = meta_from_proto(msg)
+                    await self._run(
+                        self.store.put_region,
+                        meta,
+                        msg.region,
+                        msg.region_offset,
+                        owner=msg.owner,
+                        lease_s=lease_s,
+                        final=msg.final,
+                    )
+                    num_bytes += meta.num_bytes
+                else:
+                    chunk = chunk_from_proto(msg)
+                    await self._run(self.store.put, chunk, owner=msg.owner, lease_s=lease_s, final=msg.final)
+                    num_bytes += len(chunk.data)
                 num_chunks += 1
-                num_bytes += len(chunk.data)
-        except (StateStoreError, ValueError) as e:
-            abort_with_error(context, e)
+        except _ERRORS as e:
+            await abort_with_error_async(context, e)
         return store_pb2.PutResponse(num_chunks=num_chunks, num_bytes=num_bytes)
 
-    def Get(
-        self, request: store_pb2.GetRequest, context: grpc.ServicerContext
-    ) -> Iterator[common_pb2.StateChunk]:
-        cancel = threading.Event()
-
-        def stop_waiting() -> None:  # runs when the RPC ends for any reason, cancellation included
-            cancel.set()
-            self.store.wake(request.key)
-
-        context.add_callback(stop_waiting)
+    async def Get(
+        self, request: store_pb2.GetRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.StateChunk]:
+        loop = asyncio.get_running_loop()
+        changed = asyncio.Event()
+        unwatch = self.store.watch(request.key, lambda: loop.call_soon_threadsafe(changed.set))
         limits = [t for t in (request.timeout_s or None, context.time_remaining()) if t is not None]
+        deadline = None if not limits else time.monotonic() + min(limits)
+        wanted = set(request.layers)
+        position = 0
         try:
-            chunks = self.store.get(
-                request.key,
-                layers=list(request.layers) or None,
-                timeout_s=min(limits, default=None),
-                cancel=cancel,
-                wait_for_key=request.wait_for_key,
-            )
-            for chunk in chunks:
-                yield chunk_to_proto(chunk)
-        except (StateStoreError, ValueError) as e:
-            abort_with_error(context, e)
+            while True:
+                changed.clear()  # before polling: a change after the poll sets it again
+                step = self.store.poll(request.key, position, wait_for_key=request.wait_for_key)
+                if step is True:
+                    return
+                if step is None or step is False:
+                    await self._wait(changed, deadline, request.key, position)
+                    continue
+                position += 1
+                if wanted and step.layer not in wanted:
+                    continue
+                place = self.store.location(step) if request.regions else None
+                if place is not None:
+                    yield chunk_to_proto(step, region=place[0], region_offset=place[1])
+                else:
+                    yield chunk_to_proto(Chunk(step, await self._run(self.store.read, step)))
+        except _ERRORS as e:
+            await abort_with_error_async(context, e)
+        finally:
+            unwatch()
 
-    def Lookup(
-        self, request: store_pb2.LookupRequest, context: grpc.ServicerContext
+    @staticmethod
+    async def _wait(changed: asyncio.Event, deadline: float | None, key: str, position: int) -> None:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            raise StateTimeoutError(
+                f"key {key!r} was not sealed in time ({position} chunks arrived); is its writer still running?"
+            )
+        with contextlib.suppress(TimeoutError):  # the next round raises the timeout
+            await asyncio.wait_for(changed.wait(), remaining)
+
+    async def Lookup(
+        self, request: store_pb2.LookupRequest, context: grpc.aio.ServicerContext
     ) -> store_pb2.LookupResponse:
         if request.WhichOneof("query") == "prefix":
             num_units, key = self.store.longest_match(list(request.prefix.hashes))
@@ -78,38 +137,63 @@ class StateStoreServicer(store_pb2_grpc.StateStoreServicer):
             return key_info_to_proto(info, num_units) if info else store_pb2.LookupResponse(found=False)
         return key_info_to_proto(self.store.lookup(request.key))
 
-    def Register(
-        self, request: store_pb2.RegisterRequest, context: grpc.ServicerContext
+    async def Register(
+        self, request: store_pb2.RegisterRequest, context: grpc.aio.ServicerContext
     ) -> store_pb2.RegisterResponse:
         try:
             self.store.register(list(request.prefix.hashes), request.key)
-        except (StateStoreError, ValueError) as e:
-            abort_with_error(context, e)
+        except _ERRORS as e:
+            await abort_with_error_async(context, e)
         return store_pb2.RegisterResponse()
 
-    def Renew(
-        self, request: store_pb2.RenewRequest, context: grpc.ServicerContext
+    async def Renew(
+        self, request: store_pb2.RenewRequest, context: grpc.aio.ServicerContext
     ) -> store_pb2.RenewResponse:
         try:
             remaining_s = self.store.renew(request.key, request.lease_s)
-        except (StateStoreError, ValueError) as e:
-            abort_with_error(context, e)
+        except _ERRORS as e:
+            await abort_with_error_async(context, e)
         return store_pb2.RenewResponse(lease_expiry_unix_s=time.time() + remaining_s)
 
-    def Release(
-        self, request: store_pb2.ReleaseRequest, context: grpc.ServicerContext
+    async def Release(
+        self, request: store_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> store_pb2.ReleaseResponse:
         target = request.WhichOneof("target")
         try:
             if target is None:
                 raise ValueError("ReleaseRequest names neither a key nor an owner")
             if target == "owner":
-                result = self.store.release(owner=request.owner)
+                result = await self._run(self.store.release, owner=request.owner)
             else:
-                result = self.store.release(key=request.key)
-        except (StateStoreError, ValueError) as e:
-            abort_with_error(context, e)
+                result = await self._run(self.store.release, key=request.key)
+        except _ERRORS as e:
+            await abort_with_error_async(context, e)
         return store_pb2.ReleaseResponse(num_keys=result.num_keys, num_bytes=result.num_bytes)
 
-    def Stats(self, request: store_pb2.StatsRequest, context: grpc.ServicerContext) -> store_pb2.StoreStats:
+    async def Stats(
+        self, request: store_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> store_pb2.StoreStats:
         return stats_to_proto(self.store.stats())
+
+    async def Arena(self, request: store_pb2.ArenaRequest, context: grpc.aio.ServicerContext) -> store_pb2.ArenaInfo:
+        arena = self.store.arena
+        if arena is None:
+            return store_pb2.ArenaInfo()
+        return store_pb2.ArenaInfo(
+            directory=str(arena.directory), probe_name=PROBE_NAME, probe_token=arena.probe_token
+        )
+
+    async def Allocate(
+        self, request: store_pb2.AllocateRequest, context: grpc.aio.ServicerContext
+    ) -> store_pb2.AllocateResponse:
+        try:
+            region = await self._run(
+                self.store.allocate,
+                request.key,
+                owner=request.owner,
+                num_bytes=request.num_bytes,
+                lease_s=request.lease_s or None,
+            )
+        except _ERRORS as e:
+            await abort_with_error_async(context, e)
+        return store_pb2.AllocateResponse(region=region)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 from splitserve.state import checksum
 from splitserve.state.chunk import MAX_CHUNK_BYTES, Chunk, ChunkMeta
@@ -22,6 +22,7 @@ from splitserve.state.errors import (
     StoreFullError,
 )
 from splitserve.state.records import KeyInfo, ReleaseResult, StoreStats
+from state_store.arena import Arena
 from state_store.config import StoreConfig
 from state_store.disk_tier import DiskTier
 from state_store.entry import Entry, Tombstones
@@ -29,7 +30,7 @@ from state_store.leases import Clock, LeaseTable
 from state_store.memory_tier import MemoryTier
 from state_store.prefix_index import PrefixIndex
 from state_store.tier import Tier
-from state_store.tiered import TieredStorage
+from state_store.tiered import RegionId, TieredStorage
 
 
 class StateStore:
@@ -45,6 +46,9 @@ class StateStore:
     * Chunks go to the memory tier; what it evicts spills to the disk tier; what the disk tier
       evicts takes its whole key with it. Pinned keys are never evicted.
     * Every key has an owner and a lease; expiry is checked on every call and by `expire()`.
+    * With an `arena`, a writer on the node may `allocate` a shared-memory region for a key, fill
+      it, and `put_region` its chunks: their bytes stay in the region (counted and pinned in the
+      memory tier) until the key goes, and are checksum-verified by whoever reads them.
     Thread-safe: one lock guards the metadata; chunk bytes are read and checked outside it.
     """
 
@@ -57,8 +61,10 @@ class StateStore:
         max_chunk_bytes: int = MAX_CHUNK_BYTES,
         clock: Clock = time.monotonic,
         num_tombstones: int = 65536,
+        arena: Arena | None = None,
     ) -> None:
         self._tiers = TieredStorage(memory, disk)
+        self.arena = arena
         self.default_lease_s = default_lease_s
         self.max_chunk_bytes = max_chunk_bytes
         self._lock = threading.Lock()
@@ -69,6 +75,7 @@ class StateStore:
         self._tombstones = Tombstones(num_tombstones)
         self._stats = StoreStats()
         self._closed = False
+        self._watchers: dict[str, set[Callable[[], None]]] = {}  # async readers (`watch`)
 
     @classmethod
     def from_config(cls, config: StoreConfig, *, clock: Clock = time.monotonic) -> StateStore:
@@ -80,6 +87,7 @@ class StateStore:
             max_chunk_bytes=config.max_chunk_bytes,
             clock=clock,
             num_tombstones=config.num_tombstones,
+            arena=Arena.open_default(config.arena_root),
         )
 
     # ---- writes ---------------------------------------------------------------------------
@@ -119,6 +127,7 @@ class StateStore:
             entry.raise_if_gone()  # its own write made room by evicting it
             entry.sealed = final
             entry.cond.notify_all()
+            self._notify_locked(meta.key)
 
     def seal(self, key: str, *, owner: str) -> None:
         """Marks `key` complete: readers stop after its last chunk. Idempotent."""
@@ -129,8 +138,129 @@ class StateStore:
                 raise OwnershipError(f"key {key!r} belongs to {entry.owner!r}; {owner!r} may not seal it")
             entry.sealed = True
             entry.cond.notify_all()
+            self._notify_locked(key)
+
+    def allocate(self, key: str, *, owner: str, num_bytes: int, lease_s: float | None = None) -> str:
+        """A new arena region of `num_bytes` for `key` (created, owned by `owner`, if new); its name.
+
+        Raises `StoreFullError` if the memory tier cannot hold it beside what is pinned, and
+        `InvalidChunkError` if this store has no arena.
+        """
+        if self.arena is None:
+            raise InvalidChunkError("this state store has no shared-memory arena; put the bytes instead")
+        region = self.arena.allocate(num_bytes)  # outside the lock: reserving pages takes a while
+        try:
+            with self._lock:
+                if self._closed:
+                    raise StateReleasedError("the state store is closed")
+                self._expire_locked()
+                entry = self._writable_locked(key, owner, lease_s)
+                try:
+                    lost = self._tiers.put(RegionId(key, region.name), region.view, pin=True, memory_only=True)
+                except StoreFullError as e:
+                    raise StoreFullError(f"cannot hold a {num_bytes}-byte region of key {key!r}: {e}") from None
+                entry.regions[region.name] = region
+                for lost_key, why in lost:
+                    self._evict_locked(lost_key, why)
+        except BaseException:
+            self.arena.free(region)
+            raise
+        return region.name
+
+    def put_region(
+        self,
+        meta: ChunkMeta,
+        region: str,
+        offset: int,
+        *,
+        owner: str,
+        lease_s: float | None = None,
+        final: bool = False,
+    ) -> None:
+        """Commits a chunk whose bytes the writer put in `region` (of its key) at `offset`.
+
+        Like `put`, but no byte moves and none is checked here: the reader verifies the checksum
+        before it uses a byte (one pass per hop).
+        """
+        if meta.num_bytes > self.max_chunk_bytes:
+            raise InvalidChunkError(
+                f"{meta.describe()} is {meta.num_bytes} bytes, over the store's {self.max_chunk_bytes}; "
+                "cut it with splitserve.state.chunk_layout"
+            )
+        with self._lock:
+            if self._closed:
+                raise StateReleasedError("the state store is closed")
+            self._expire_locked()
+            entry = self._writable_locked(meta.key, owner, lease_s)
+            place = entry.regions.get(region)
+            if place is None:
+                raise InvalidChunkError(f"{meta.describe()} names region {region!r}, not one of its key's")
+            if offset < 0 or offset + meta.num_bytes > place.num_bytes:
+                raise InvalidChunkError(
+                    f"{meta.describe()} at offset {offset} overruns region {region!r} of {place.num_bytes} bytes"
+                )
+            if meta.id in entry.metas:
+                raise KeySealedError(f"{meta.describe()} was already stored; chunks are written once")
+            entry.add(meta)
+            entry.locations[meta.id] = (place, offset)
+            entry.sealed = final
+            entry.cond.notify_all()
+            self._notify_locked(meta.key)
 
     # ---- reads ----------------------------------------------------------------------------
+
+    def poll(self, key: str, position: int, *, wait_for_key: bool = False) -> ChunkMeta | None | bool:
+        """Without waiting: chunk number `position` of `key` if it is there, True if the key is
+        sealed with fewer chunks (the read is done), None if it may still come (wait for a
+        `watch` callback and poll again). Raises what `get` raises."""
+        with self._lock:
+            self._expire_locked()
+            entry = self._entries.get(key)
+            if entry is None and wait_for_key:
+                self._tombstones.raise_if_gone(key)
+                if self._closed:
+                    raise StateReleasedError(f"key {key!r} will never arrive: the store closed")
+                return None
+            entry = entry if entry is not None else self._live_locked(key)
+            if position < len(entry.order):
+                return entry.metas[entry.order[position]]
+            return True if entry.sealed else None
+
+    def read(self, meta: ChunkMeta) -> bytes | memoryview:
+        """The checksum-verified bytes of a chunk `poll` returned (a region's are a view)."""
+        with self._lock:
+            entry = self._live_locked(meta.key)
+        return self._read(entry, meta)
+
+    def location(self, meta: ChunkMeta) -> tuple[str, int] | None:
+        """(region name, offset) of a chunk committed in the arena, None if it was put as bytes."""
+        with self._lock:
+            entry = self._live_locked(meta.key)
+            place = entry.locations.get(meta.id)
+            return None if place is None else (place[0].name, place[1])
+
+    @property
+    def num_watched_keys(self) -> int:
+        """Keys some `watch` callback waits on (a gauge of outstanding async reads)."""
+        with self._lock:
+            return len(self._watchers)
+
+    def watch(self, key: str, callback: Callable[[], None]) -> Callable[[], None]:
+        """Calls `callback` (under the store's lock: it must only schedule work) whenever `key`
+        may have changed: a chunk, its seal, its end, or the store closing. Returns the unwatch."""
+        with self._lock:
+            self._watchers.setdefault(key, set()).add(callback)
+
+        def unwatch() -> None:
+            with self._lock:
+                callbacks = self._watchers.get(key)
+                if callbacks is not None:
+                    callbacks.discard(callback)
+                    if not callbacks:
+                        del self._watchers[key]
+
+        return unwatch
+
 
     def get(
         self,
@@ -276,7 +406,11 @@ class StateStore:
             self._key_created.notify_all()
             for entry in list(self._entries.values()):
                 self._drop_locked(entry, StateReleasedError, f"key {entry.key!r} was freed: the store closed")
+            for key in list(self._watchers):
+                self._notify_locked(key)
             self._tiers.close()
+            if self.arena is not None:
+                self.arena.close()
 
     # ---- internals (the *_locked ones run under self._lock) ----------------------------------
 
@@ -287,6 +421,7 @@ class StateStore:
             self._leases.grant(key, owner, lease_s or self.default_lease_s)
             entry = self._entries[key] = Entry(key, owner, self._lock)
             self._key_created.notify_all()
+            self._notify_locked(key)
             return entry
         if entry.owner != owner:
             raise OwnershipError(f"key {key!r} belongs to {entry.owner!r}; {owner!r} may not write to it")
@@ -350,21 +485,32 @@ class StateStore:
         self._stats.num_expiries += len(expired)
         return len(expired)
 
+    def _notify_locked(self, key: str) -> None:
+        for callback in list(self._watchers.get(key, ())):
+            callback()
+
     def _drop_locked(self, entry: Entry, cls: type[StateStoreError], why: str) -> int:
         for cid in entry.order:
-            self._tiers.remove(cid)
+            if cid not in entry.locations:
+                self._tiers.remove(cid)
+        for region in entry.regions.values():
+            self._tiers.remove(RegionId(entry.key, region.name))
+            if self.arena is not None:
+                self.arena.free(region)
         del self._entries[entry.key]
         self._leases.drop(entry.key)
         self._prefixes.forget(entry.key)
         self._tombstones.add(entry.key, (cls, why))
         entry.gone = (cls, why)
         entry.cond.notify_all()
+        self._notify_locked(entry.key)
         return entry.num_bytes
 
-    def _read(self, entry: Entry, meta: ChunkMeta) -> bytes:
+    def _read(self, entry: Entry, meta: ChunkMeta) -> bytes | memoryview:
         cid = meta.id
         try:
-            data = self._tiers.fetch(cid)
+            place = entry.locations.get(cid)
+            data = place[0].view[place[1] : place[1] + meta.num_bytes] if place else self._tiers.fetch(cid)
             if data is None:  # it may be between tiers: moves happen under the lock
                 with self._lock:
                     data = self._tiers.fetch(cid)

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from splitserve.state.chunk import ChunkId
 from splitserve.state.errors import StoreFullError, TierFullError
 from splitserve.state.records import TierStats
 from state_store.tier import Tier
+
+
+class RegionId(NamedTuple):
+    """The memory tier's id of a key's arena region (counted there, pinned, never spilled)."""
+
+    key: str
+    region: str
 
 
 class TieredStorage:
@@ -22,15 +31,18 @@ class TieredStorage:
         self.memory, self.disk = memory, disk
         self.num_spills = 0
 
-    def put(self, cid: ChunkId, data: bytes, *, pin: bool = False) -> list[tuple[str, str]]:
+    def put(
+        self, cid: ChunkId | RegionId, data: bytes, *, pin: bool = False, memory_only: bool = False
+    ) -> list[tuple[str, str]]:
         """Stores `data`; returns (key, why) for every key that lost a chunk to make room.
 
-        Raises `StoreFullError` if neither tier can take it (nothing is lost then).
+        Raises `StoreFullError` if neither tier can take it (nothing is lost then); with
+        `memory_only` (an arena region, which lives in RAM) if memory cannot.
         """
         try:
             evicted = self.memory.put(cid, data)
         except TierFullError as memory_full:
-            if self.disk is None:
+            if self.disk is None or memory_only:
                 raise StoreFullError(f"{memory_full}; there is no disk tier") from None
             try:
                 evicted = self.disk.put(cid, data)
@@ -60,7 +72,7 @@ class TieredStorage:
             return self.disk
         return self.memory
 
-    def remove(self, cid: ChunkId) -> None:
+    def remove(self, cid: ChunkId | RegionId) -> None:
         self.memory.remove(cid)
         if self.disk is not None:
             self.disk.remove(cid)

@@ -8,12 +8,19 @@ from typing import TypeVar
 import grpc
 
 from splitserve import rpc
-from splitserve.state.chunk import Chunk
+from splitserve.state.chunk import Chunk, StateKind
 from splitserve.state.errors import StateUnavailableError
 from splitserve.state.records import KeyInfo, ReleaseResult, StoreStats
+from splitserve.state.shm import LocalArena
 from splitserve.state.status import error_from_rpc
 from splitserve.state.streams import ChunkStream, PutStream
-from splitserve.state.wire import chunk_to_proto, key_info_from_proto, seal_message, stats_from_proto
+from splitserve.state.wire import (
+    KIND_TO_PROTO,
+    chunk_to_proto,
+    key_info_from_proto,
+    seal_message,
+    stats_from_proto,
+)
 from splitserve.v1 import common_pb2, store_pb2, store_pb2_grpc
 
 T = TypeVar("T")
@@ -39,6 +46,38 @@ class StateStoreClient:
         self.timeout_s = timeout_s
         self._channel = rpc.make_channel(address, max_message_bytes)
         self._stub = store_pb2_grpc.StateStoreStub(self._channel)
+        self._arena: LocalArena | None = None
+        self._arena_checked = False
+
+    def local_arena(self) -> LocalArena | None:
+        """The store's shared-memory arena if this process shares its node (asked once, then
+        remembered), else None: then state moves as bytes over gRPC."""
+        if not self._arena_checked:
+            info = self._call(lambda: self._stub.Arena(store_pb2.ArenaRequest(), timeout=self.timeout_s))
+            self._arena = LocalArena.probe(info.directory, info.probe_name, info.probe_token)
+            self._arena_checked = True
+        return self._arena
+
+    def allocate(
+        self,
+        key: str,
+        layer: int,
+        kind: StateKind | str,
+        num_bytes: int,
+        *,
+        owner: str,
+        lease_s: float | None = None,
+    ) -> str:
+        """A fresh region of `num_bytes` in the store's arena for `key` (created if new); its name."""
+        request = store_pb2.AllocateRequest(
+            key=key,
+            owner=owner,
+            lease_s=lease_s or 0.0,
+            layer=layer,
+            kind=KIND_TO_PROTO[StateKind(kind)],
+            num_bytes=num_bytes,
+        )
+        return self._call(lambda: self._stub.Allocate(request, timeout=self.timeout_s)).region
 
     def put(
         self, chunks: Iterable[Chunk], *, owner: str, lease_s: float | None = None, seal: bool = False
@@ -56,9 +95,20 @@ class StateStoreClient:
         reply = self._call(lambda: self._stub.Put(messages()))
         return reply.num_chunks, reply.num_bytes
 
-    def open_put(self, key: str, *, owner: str, lease_s: float | None = None) -> PutStream:
-        """A Put of `key` that stays open: `write` chunks as they are made, then `finish` or `cancel`."""
-        return PutStream(self._stub, key, owner, lease_s)
+    def open_put(
+        self, key: str, *, owner: str, lease_s: float | None = None, shared_memory: bool | None = None
+    ) -> PutStream:
+        """A Put of `key` that stays open: `write` chunks or `write_state` tensors' bytes as they
+        are made, then `finish` or `cancel`. `write_state` pieces go through the store's arena
+        when `shared_memory` is True, or None (the default) and the store shares this node."""
+        arena = self.local_arena() if shared_memory is not False else None
+        if shared_memory and arena is None:
+            raise StateUnavailableError(f"the store at {self.address} has no arena this process can map")
+
+        def allocate(key: str, layer: int, kind: StateKind, num_bytes: int) -> str:
+            return self.allocate(key, layer, kind, num_bytes, owner=owner, lease_s=lease_s)
+
+        return PutStream(self._stub, key, owner, lease_s, arena=arena, allocate=allocate)
 
     def seal(self, key: str, *, owner: str) -> None:
         self._call(lambda: self._stub.Put(iter([seal_message(key, owner)]), timeout=self.timeout_s))
@@ -70,18 +120,28 @@ class StateStoreClient:
         layers: Collection[int] | None = None,
         timeout_s: float | None = None,
         wait_for_key: bool = False,
+        shared_memory: bool | None = None,
     ) -> ChunkStream:
         """Streams `key`'s chunks as they land, until it is sealed; checksums are checked here too.
 
         With `wait_for_key` a key not yet put is waited for rather than NOT_FOUND. The store fails
         the read with `StateTimeoutError` if the key is not sealed within `timeout_s`. The stream
-        can be cancelled from another thread (`ChunkStream.cancel`).
+        can be cancelled from another thread (`ChunkStream.cancel`). Chunks written through the
+        store's arena come as read-only memoryviews of it (zero-copy) when `shared_memory` is
+        True, or None (the default) and the store shares this node; else as bytes.
         """
+        arena = self.local_arena() if shared_memory is not False else None
+        if shared_memory and arena is None:
+            raise StateUnavailableError(f"the store at {self.address} has no arena this process can map")
         request = store_pb2.GetRequest(
-            key=key, layers=list(layers or ()), timeout_s=timeout_s or 0.0, wait_for_key=wait_for_key
+            key=key,
+            layers=list(layers or ()),
+            timeout_s=timeout_s or 0.0,
+            wait_for_key=wait_for_key,
+            regions=arena is not None,
         )
         deadline_s = None if timeout_s is None else timeout_s + DEADLINE_GRACE_S
-        return ChunkStream(self._stub.Get(request, timeout=deadline_s))
+        return ChunkStream(self._stub.Get(request, timeout=deadline_s), arena)
 
     def lookup(self, key: str) -> KeyInfo | None:
         reply = self._call(

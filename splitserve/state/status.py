@@ -37,6 +37,13 @@ def abort_with_error(context: grpc.ServicerContext, error: Exception) -> NoRetur
     rpc.abort(context, status_code(error), str(error))
 
 
+async def abort_with_error_async(context: grpc.aio.ServicerContext, error: Exception) -> NoReturn:
+    """`abort_with_error` for a grpc.aio servicer."""
+    context.set_trailing_metadata(((ERROR_TYPE_KEY, type(error).__name__),))
+    await context.abort(status_code(error), str(error))
+    raise AssertionError("grpc.aio's abort returned")  # it raises; this keeps NoReturn honest
+
+
 def error_from_rpc(error: grpc.RpcError) -> Exception:
     """The store exception a failed RPC stands for (the server names its class); else one chosen
     by status code that keeps the code, so a caller passing it on reports the same status."""

@@ -1,19 +1,43 @@
-"""Handles on the store's two streaming RPCs: a Put fed from a queue, and a cancellable Get."""
+"""Handles on the store's two streaming RPCs: a Put fed from a queue, and a cancellable Get.
+
+Both use the store's shared-memory arena when the client shares its node (`LocalArena`): a
+piece written with `PutStream.write_state` is copied once into a region the store allocated and
+committed by reference; a Get hands out zero-copy views of regions, each verified first.
+"""
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 import grpc
 
 from splitserve.state import checksum
-from splitserve.state.chunk import Chunk
+from splitserve.state.chunk import DEFAULT_CHUNK_BYTES, Chunk, ChunkMeta, StateKind, chunk_layout, make_chunks
 from splitserve.state.errors import StateTimeoutError
+from splitserve.state.shm import LocalArena
 from splitserve.state.status import error_from_rpc
-from splitserve.state.wire import chunk_from_proto, chunk_to_proto, seal_message
+from splitserve.state.wire import chunk_from_proto, chunk_to_proto, meta_from_proto, seal_message
 from splitserve.v1 import common_pb2, store_pb2_grpc
+
+# (key, layer, kind, num_bytes) -> the name of a fresh region of the store's arena
+Allocator = Callable[[str, int, StateKind, int], str]
+
+
+@dataclass(frozen=True)
+class StatePiece:
+    """One tensor's bytes and what they are, queued by `PutStream.write_state`."""
+
+    layer: int
+    kind: StateKind
+    data: bytes | bytearray | memoryview
+    dtype: str
+    shape: tuple[int, ...]
+    token_start: int
+    token_end: int
+    max_chunk_bytes: int
 
 _END = None  # queued last: the sending thread stops reading the queue
 
@@ -24,15 +48,26 @@ class PutStream:
     `write` only queues and returns at once, from any thread; gRPC's own thread iterates what was
     queued and sends it, so work inside a lazy iterable (cutting and checksumming a tensor) runs
     there too, never on the writer's thread. Chunks must belong to `key`. After `finish` or
-    `cancel`, writes are dropped.
+    `cancel`, writes are dropped. With an `arena` and its `allocate`, `write_state` pieces go
+    through shared memory (one copy each); without, they are cut into chunks and sent as bytes.
     """
 
     def __init__(
-        self, stub: store_pb2_grpc.StateStoreStub, key: str, owner: str, lease_s: float | None = None
+        self,
+        stub: store_pb2_grpc.StateStoreStub,
+        key: str,
+        owner: str,
+        lease_s: float | None = None,
+        *,
+        arena: LocalArena | None = None,
+        allocate: Allocator | None = None,
     ) -> None:
         self.key, self.owner, self.lease_s = key, owner, lease_s or 0.0
-        self._queue: queue.SimpleQueue[Iterable[Chunk] | None] = queue.SimpleQueue()
+        self.arena = arena if allocate is not None else None
+        self._allocate = allocate
+        self._queue: queue.SimpleQueue[Iterable[Chunk] | StatePiece | None] = queue.SimpleQueue()
         self._seal = False
+        self._error: BaseException | None = None
         self._closed = threading.Event()
         self._call = stub.Put.future(self._messages())
 
@@ -40,6 +75,30 @@ class PutStream:
         """Queues `chunks` (a list, or a generator to run on the sending thread)."""
         if not self._closed.is_set():
             self._queue.put(chunks)
+
+    def write_state(
+        self,
+        layer: int,
+        kind: StateKind | str,
+        data: bytes | bytearray | memoryview,
+        *,
+        dtype: str,
+        shape: Sequence[int],
+        token_start: int,
+        token_end: int,
+        max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
+        """Queues one tensor's bytes (any C-contiguous buffer, e.g. a CPU tensor's memory) as
+        `key`'s state of (layer, kind); returns at once. On the sending thread it is copied once
+        into an arena region and committed in chunks of `max_chunk_bytes`, or cut into chunks and
+        sent as bytes when the store is not on this node. `data` must not change until `finish`
+        returns (nothing copies it before the sending thread does)."""
+        if not self._closed.is_set():
+            shape = tuple(int(d) for d in shape)
+            piece = StatePiece(
+                layer, StateKind(kind), data, dtype, shape, token_start, token_end, max_chunk_bytes
+            )
+            self._queue.put(piece)
 
     def finish(self, timeout_s: float) -> tuple[int, int]:
         """Seals the key after everything written and waits for the store's ack; returns its
@@ -54,7 +113,11 @@ class PutStream:
                 f"the store did not acknowledge the put of key {self.key!r} within {timeout_s} s"
             ) from None
         except grpc.RpcError as e:
+            if self._error is not None:  # the sending thread failed first: its error says why
+                raise self._error from None
             raise error_from_rpc(e) from None
+        if self._error is not None:
+            raise self._error
         return reply.num_chunks, reply.num_bytes
 
     def cancel(self) -> None:
@@ -68,26 +131,91 @@ class PutStream:
             self._queue.put(_END)
 
     def _messages(self) -> Iterator[common_pb2.StateChunk]:
-        while (chunks := self._queue.get()) is not _END:
-            for chunk in chunks:
-                yield chunk_to_proto(chunk, owner=self.owner, lease_s=self.lease_s)
+        try:
+            while (item := self._queue.get()) is not _END:
+                if isinstance(item, StatePiece):
+                    yield from self._piece_messages(item)
+                else:
+                    for chunk in item:
+                        yield chunk_to_proto(chunk, owner=self.owner, lease_s=self.lease_s)
+        except Exception as e:  # noqa: BLE001 - ends the stream unsealed; finish raises it
+            self._error = e
+            return
         if self._seal:
             yield seal_message(self.key, self.owner)
+
+    def _piece_messages(self, piece: StatePiece) -> Iterator[common_pb2.StateChunk]:
+        source = memoryview(piece.data).cast("B")
+        if self.arena is None or self._allocate is None:
+            for chunk in make_chunks(
+                self.key,
+                piece.layer,
+                piece.kind,
+                source,
+                dtype=piece.dtype,
+                shape=piece.shape,
+                token_start=piece.token_start,
+                token_end=piece.token_end,
+                max_chunk_bytes=piece.max_chunk_bytes,
+            ):
+                yield chunk_to_proto(chunk, owner=self.owner, lease_s=self.lease_s)
+            return
+        spans = chunk_layout(
+            piece.kind,
+            source.nbytes,
+            dtype=piece.dtype,
+            shape=piece.shape,
+            token_start=piece.token_start,
+            token_end=piece.token_end,
+            max_chunk_bytes=piece.max_chunk_bytes,
+        )
+        region = self._allocate(self.key, piece.layer, piece.kind, source.nbytes)
+        target = self.arena.map(region, writable=True)
+        target[:] = source  # the one copy of these bytes
+        for index, span in enumerate(spans):
+            meta = ChunkMeta(
+                self.key,
+                piece.layer,
+                piece.kind,
+                piece.dtype,
+                span.shape,
+                span.token_start,
+                span.token_end,
+                checksum.compute(target[span.byte_start : span.byte_end]),
+                index,
+                len(spans),
+            )
+            yield chunk_to_proto(
+                meta, owner=self.owner, lease_s=self.lease_s, region=region, region_offset=span.byte_start
+            )
+        target.release()
 
 
 class ChunkStream:
     """One Get: iterate it once for the key's chunks as they land, each checksum verified here
     (a damaged one raises `CorruptStateError` and is never handed out). `cancel`, from any thread,
-    ends the RPC and the iteration quietly; other failures raise the store's errors."""
+    ends the RPC and the iteration quietly; other failures raise the store's errors.
 
-    def __init__(self, call: grpc.Call) -> None:
+    With an `arena` (the Get asked for regions), a chunk in the store's arena comes as a
+    read-only memoryview of its region: zero-copy, valid as long as it is referenced."""
+
+    def __init__(self, call: grpc.Call, arena: LocalArena | None = None) -> None:
         self._call = call
+        self._arena = arena
         self.cancelled = False
 
     def __iter__(self) -> Iterator[Chunk]:
+        mapped: dict[str, memoryview] = {}  # region name -> this stream's one mapping of it
         try:
             for msg in self._call:  # type: ignore[attr-defined]
-                chunk = chunk_from_proto(msg)
+                if msg.region and self._arena is not None:
+                    if msg.region not in mapped:
+                        mapped[msg.region] = self._arena.map(msg.region)
+                    meta = meta_from_proto(msg)
+                    start = msg.region_offset
+                    chunk = Chunk(meta, mapped[msg.region][start : start + meta.num_bytes])
+                else:
+                    chunk = chunk_from_proto(msg)
                 checksum.verify(chunk.data, chunk.meta.checksum, f"{chunk.meta.describe()} as received")
                 yield chunk
         except grpc.RpcError as e:

@@ -32,10 +32,19 @@ _COUNTERS = (
 
 
 def chunk_to_proto(
-    chunk: Chunk | ChunkMeta, *, owner: str = "", lease_s: float = 0.0, final: bool = False
+    chunk: Chunk | ChunkMeta,
+    *,
+    owner: str = "",
+    lease_s: float = 0.0,
+    final: bool = False,
+    region: str = "",
+    region_offset: int = 0,
 ) -> common_pb2.StateChunk:
-    """A chunk as a message; a bare `ChunkMeta` gives a metadata-only message (empty data)."""
+    """A chunk as a message; a bare `ChunkMeta` gives a metadata-only message (empty data), which
+    with `region` says where in the store's arena the bytes are."""
     meta, data = (chunk.meta, chunk.data) if isinstance(chunk, Chunk) else (chunk, b"")
+    if isinstance(data, memoryview):
+        data = data.tobytes()  # protobuf takes bytes
     return common_pb2.StateChunk(
         key=meta.key,
         layer=meta.layer,
@@ -51,6 +60,8 @@ def chunk_to_proto(
         owner=owner,
         lease_s=lease_s,
         final=final,
+        region=region,
+        region_offset=region_offset,
     )
 
 

@@ -76,7 +76,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StateChunk(_message.Message):
-    __slots__ = ("key", "layer", "kind", "dtype", "shape", "token_start", "token_end", "checksum", "data", "chunk_index", "num_chunks", "owner", "lease_s", "final")
+    __slots__ = ("key", "layer", "kind", "dtype", "shape", "token_start", "token_end", "checksum", "data", "chunk_index", "num_chunks", "owner", "lease_s", "final", "region", "region_offset")
     KEY_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,8 @@ class StateChunk(_message.Message):
     OWNER_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    REGION_OFFSET_FIELD_NUMBER: _ClassVar[int]
     key: str
     layer: int
     kind: StateKind
@@ -105,7 +107,9 @@ class StateChunk(_message.Message):
     owner: str
     lease_s: float
     final: bool
-    def __init__(self, key: _Optional[str] = ..., layer: _Optional[int] = ..., kind: _Optional[_Union[StateKind, str]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., checksum: _Optional[int] = ..., data: _Optional[bytes] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ..., owner: _Optional[str] = ..., lease_s: _Optional[float] = ..., final: _Optional[bool] = ...) -> None: ...
+    region: str
+    region_offset: int
+    def __init__(self, key: _Optional[str] = ..., layer: _Optional[int] = ..., kind: _Optional[_Union[StateKind, str]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., checksum: _Optional[int] = ..., data: _Optional[bytes] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ..., owner: _Optional[str] = ..., lease_s: _Optional[float] = ..., final: _Optional[bool] = ..., region: _Optional[str] = ..., region_offset: _Optional[int] = ...) -> None: ...
 
 class StateHandle(_message.Message):
     __slots__ = ("store_address", "key", "owner", "num_layers", "lease_expiry_unix_s")

@@ -16,16 +16,18 @@ class PutResponse(_message.Message):
     def __init__(self, num_chunks: _Optional[int] = ..., num_bytes: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("key", "layers", "timeout_s", "wait_for_key")
+    __slots__ = ("key", "layers", "timeout_s", "wait_for_key", "regions")
     KEY_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     WAIT_FOR_KEY_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
     key: str
     layers: _containers.RepeatedScalarFieldContainer[int]
     timeout_s: float
     wait_for_key: bool
-    def __init__(self, key: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ..., wait_for_key: _Optional[bool] = ...) -> None: ...
+    regions: bool
+    def __init__(self, key: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ..., wait_for_key: _Optional[bool] = ..., regions: _Optional[bool] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("key", "prefix")
@@ -148,3 +150,39 @@ class StoreStats(_message.Message):
     num_releases: int
     num_corruptions: int
     def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_keys: _Optional[int] = ..., num_hits: _Optional[int] = ..., num_misses: _Optional[int] = ..., num_prefix_hits: _Optional[int] = ..., num_spills: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_expiries: _Optional[int] = ..., num_releases: _Optional[int] = ..., num_corruptions: _Optional[int] = ...) -> None: ...
+
+class ArenaRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ArenaInfo(_message.Message):
+    __slots__ = ("directory", "probe_name", "probe_token")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    PROBE_NAME_FIELD_NUMBER: _ClassVar[int]
+    PROBE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    probe_name: str
+    probe_token: bytes
+    def __init__(self, directory: _Optional[str] = ..., probe_name: _Optional[str] = ..., probe_token: _Optional[bytes] = ...) -> None: ...
+
+class AllocateRequest(_message.Message):
+    __slots__ = ("key", "owner", "lease_s", "layer", "kind", "num_bytes")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    owner: str
+    lease_s: float
+    layer: int
+    kind: _common_pb2.StateKind
+    num_bytes: int
+    def __init__(self, key: _Optional[str] = ..., owner: _Optional[str] = ..., lease_s: _Optional[float] = ..., layer: _Optional[int] = ..., kind: _Optional[_Union[_common_pb2.StateKind, str]] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+
+class AllocateResponse(_message.Message):
+    __slots__ = ("region",)
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    region: str
+    def __init__(self, region: _Optional[str] = ...) -> None: ...

@@ -71,6 +71,16 @@ class StateStoreStub:
                 request_serializer=splitserve_dot_v1_dot_store__pb2.StatsRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_store__pb2.StoreStats.FromString,
                 _registered_method=True)
+        self.Arena = channel.unary_unary(
+                '/splitserve.v1.StateStore/Arena',
+                request_serializer=splitserve_dot_v1_dot_store__pb2.ArenaRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_store__pb2.ArenaInfo.FromString,
+                _registered_method=True)
+        self.Allocate = channel.unary_unary(
+                '/splitserve.v1.StateStore/Allocate',
+                request_serializer=splitserve_dot_v1_dot_store__pb2.AllocateRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_store__pb2.AllocateResponse.FromString,
+                _registered_method=True)
 
 
 class StateStoreServicer:
@@ -126,6 +136,21 @@ class StateStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Arena(self, request, context):
+        """Where this store's shared-memory arena is, so a client can tell whether it shares the node.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Allocate(self, request, context):
+        """Reserves a region of the arena for one piece of a key's state (creating the key, like a
+        Put). The writer fills it, then commits its chunks by Put messages naming the region.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StateStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -163,6 +188,16 @@ def add_StateStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=splitserve_dot_v1_dot_store__pb2.StatsRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_store__pb2.StoreStats.SerializeToString,
+            ),
+            'Arena': grpc.unary_unary_rpc_method_handler(
+                    servicer.Arena,
+                    request_deserializer=splitserve_dot_v1_dot_store__pb2.ArenaRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_store__pb2.ArenaInfo.SerializeToString,
+            ),
+            'Allocate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Allocate,
+                    request_deserializer=splitserve_dot_v1_dot_store__pb2.AllocateRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_store__pb2.AllocateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -355,6 +390,60 @@ class StateStore:
             '/splitserve.v1.StateStore/Stats',
             splitserve_dot_v1_dot_store__pb2.StatsRequest.SerializeToString,
             splitserve_dot_v1_dot_store__pb2.StoreStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Arena(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.StateStore/Arena',
+            splitserve_dot_v1_dot_store__pb2.ArenaRequest.SerializeToString,
+            splitserve_dot_v1_dot_store__pb2.ArenaInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Allocate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.StateStore/Allocate',
+            splitserve_dot_v1_dot_store__pb2.AllocateRequest.SerializeToString,
+            splitserve_dot_v1_dot_store__pb2.AllocateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -85,6 +85,7 @@ def test_the_client_verifies_checksums_as_received(
     """Fault injection: the store serves a chunk whose bytes do not match its checksum."""
     good = make_chunk("req")
     bad = Chunk(good.meta, bytes([good.data[0] ^ 1]) + good.data[1:])
-    monkeypatch.setattr(server.store, "get", lambda key, **kwargs: iter([bad]))
+    client.put([good], owner="w", seal=True)
+    monkeypatch.setattr(server.store, "read", lambda meta: bad.data)
     with pytest.raises(CorruptStateError, match="layer 0 kda_recurrent chunk 0/1 as received"):
         list(client.get("req"))

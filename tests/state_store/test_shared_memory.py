@@ -1,0 +1,134 @@
+"""The same-node path: pieces copied once into the store's arena, read back as zero-copy views."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from splitserve.state import StateKind
+from splitserve.state.client import StateStoreClient
+from splitserve.state.errors import CorruptStateError
+from state_store.arena import Arena
+from state_store.memory_tier import MemoryTier
+from state_store.server import StateStoreServer
+from state_store.store import StateStore
+
+WAIT_S = 30.0
+
+
+@pytest.fixture
+def arena_root(tmp_path: Path) -> Path:
+    return tmp_path / "arenas"  # tmpfs or not, the protocol is the same; each test gets its own root
+
+
+@pytest.fixture
+def shm_server(arena_root: Path) -> Iterator[StateStoreServer]:
+    store = StateStore(MemoryTier(64 << 20), arena=Arena(arena_root))
+    served = StateStoreServer(store)
+    yield served
+    served.stop(grace_s=0)
+    store.close()
+
+
+def _write_layers(client: StateStoreClient, key: str, layers: list[np.ndarray], **kwargs: object) -> None:
+    put = client.open_put(key, owner="prefill", **kwargs)  # type: ignore[arg-type]
+    for layer, rows in enumerate(layers):
+        put.write_state(
+            layer, StateKind.KDA_RECURRENT, rows.data, dtype="float32", shape=rows.shape, token_start=0, token_end=9
+        )
+    put.finish(timeout_s=WAIT_S)
+
+
+def _read_layers(client: StateStoreClient, key: str, **kwargs: object) -> tuple[list[np.ndarray], list[type]]:
+    parts: dict[int, list[np.ndarray]] = {}
+    kinds = []
+    for chunk in client.get(key, timeout_s=WAIT_S, **kwargs):  # type: ignore[arg-type]
+        kinds.append(type(chunk.data))
+        parts.setdefault(chunk.meta.layer, []).append(np.frombuffer(chunk.data, np.float32))
+    return [np.concatenate(parts[i]) for i in sorted(parts)], kinds
+
+
+def test_a_reader_on_the_node_gets_views_of_the_arena(shm_server: StateStoreServer) -> None:
+    layers = [np.random.default_rng(i).standard_normal(600_000).astype(np.float32) for i in range(3)]
+    with StateStoreClient(shm_server.address, timeout_s=WAIT_S) as client:
+        assert client.local_arena() is not None
+        _write_layers(client, "req", layers)
+        got, kinds = _read_layers(client, "req")
+        assert all(np.array_equal(a, b) for a, b in zip(got, layers, strict=True))
+        assert set(kinds) == {memoryview}  # zero-copy: views of the region, not bytes
+        assert len(kinds) == 9  # 2.4 MB per layer in 1 MiB chunks
+        # The gRPC-bytes path (a reader on another node) serves the same regions as bytes.
+        got, kinds = _read_layers(client, "req", shared_memory=False)
+        assert all(np.array_equal(a, b) for a, b in zip(got, layers, strict=True)) and set(kinds) == {bytes}
+        region_files = list(shm_server.store.arena.directory.glob("*.region"))  # type: ignore[union-attr]
+        assert len(region_files) == 3
+        assert client.release("req").num_keys == 1
+        assert not list(shm_server.store.arena.directory.glob("*.region"))  # type: ignore[union-attr]
+
+
+def test_without_an_arena_write_state_sends_bytes(shm_server: StateStoreServer) -> None:
+    layers = [np.arange(1000, dtype=np.float32)]
+    with StateStoreClient(shm_server.address, timeout_s=WAIT_S) as client:
+        _write_layers(client, "req", layers, shared_memory=False)
+        assert not list(shm_server.store.arena.directory.glob("*.region"))  # type: ignore[union-attr]
+        got, kinds = _read_layers(client, "req")
+        assert np.array_equal(got[0], layers[0]) and set(kinds) == {bytes}
+
+
+def test_a_damaged_region_fails_the_read_closed(shm_server: StateStoreServer) -> None:
+    with StateStoreClient(shm_server.address, timeout_s=WAIT_S) as client:
+        _write_layers(client, "req", [np.ones(1000, dtype=np.float32)])
+        (region,) = shm_server.store.arena.directory.glob("*.region")  # type: ignore[union-attr]
+        with open(region, "r+b") as f:
+            f.write(b"\xff")
+        with pytest.raises(CorruptStateError, match="checksum mismatch"):
+            _read_layers(client, "req")
+        with pytest.raises(CorruptStateError, match="checksum mismatch"):  # DATA_LOSS over gRPC too
+            _read_layers(client, "req", shared_memory=False)
+
+
+def test_a_dead_writers_regions_go_with_its_lease(shm_server: StateStoreServer) -> None:
+    with StateStoreClient(shm_server.address, timeout_s=WAIT_S) as client:
+        client.allocate("req", 0, StateKind.MLA_KV, 4096, owner="prefill", lease_s=0.05)  # then "dies"
+        store = shm_server.store
+        assert len(list(store.arena.directory.glob("*.region"))) == 1  # type: ignore[union-attr]
+        while store.lookup("req") is not None:  # the real monotonic clock runs the lease out
+            store.expire()
+        assert not list(store.arena.directory.glob("*.region"))  # type: ignore[union-attr]
+
+
+def _hold_an_arena(root: str, ready: multiprocessing.synchronize.Event) -> None:
+    store = StateStore(MemoryTier(1 << 20), arena=Arena(root))
+    store.allocate("req", owner="prefill", num_bytes=8192)
+    ready.set()
+    signal.pause()
+
+
+def test_the_next_store_reclaims_a_killed_stores_arena(arena_root: Path) -> None:
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    child = context.Process(target=_hold_an_arena, args=(str(arena_root), ready))
+    child.start()
+    try:
+        assert ready.wait(WAIT_S), "the child store did not start"
+        (held,) = arena_root.glob("splitserve-tier-*")
+        assert len(list(held.glob("*.region"))) == 1
+        survivor = Arena(arena_root)  # a live store's arena is never touched
+        assert held.exists() and survivor.reclaimed_bytes == 0
+        os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        child.join(WAIT_S)
+        successor = Arena(arena_root)
+        assert not held.exists() and successor.reclaimed_bytes >= 8192
+        assert survivor.directory.exists()
+        survivor.close()
+        successor.close()
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(WAIT_S)
