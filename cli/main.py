@@ -82,11 +82,24 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     check = actions.add_parser("check", help="validate a cluster config file and print it resolved")
     check.add_argument("file", help="the YAML file to check")
     actions.add_parser("default", help="print the embedded default config")
+    from cli.config_plan import add_plan_arguments
+
+    add_plan_arguments(
+        actions.add_parser(
+            "plan",
+            help="print each pool's memory plan (weights, activations, KV blocks, state slots) and "
+            "whether it fits, from the checkpoint's config.json alone",
+        )
+    )
 
 
 def _run_config(args: argparse.Namespace) -> int:
     from splitserve.config import ConfigError, default_config, load_config
 
+    if args.config_action == "plan":
+        from cli.config_plan import run_plan
+
+        return run_plan(args)
     if args.config_action == "default":
         print(default_config().to_yaml(), end="")
         return 0
@@ -229,7 +242,8 @@ COMMANDS: dict[str, Command] = {
         run=_run_resize,
     ),
     "config": Command(
-        help="check a cluster config file (config check FILE) or print the default (config default)",
+        help="check a cluster config file (config check FILE), plan its memory (config plan FILE) "
+        "or print the default (config default)",
         add_arguments=_add_config_arguments,
         run=_run_config,
     ),

@@ -173,6 +173,8 @@ def run_cluster(
 ) -> ClusterHandle:
     """Start the deployment `name` and wait until it is healthy. `actor_classes` is for test doubles."""
     namespace = namespace_for(name)
+    on_this_machine = not (ray.is_initialized() or address or os.environ.get("RAY_ADDRESS"))
+    check_memory_plan(config, detect_device=on_this_machine)
     started_ray, ray_address = _connect(config, address, name)
     handle: ClusterHandle | None = None
     try:
@@ -301,6 +303,31 @@ def check_local_model(config: ClusterConfig) -> None:
         raise ClusterError(
             f"model.path {config.model.path!r} {what} on this machine; point it at a checkpoint folder "
             "(one that save_pretrained wrote)"
+        )
+
+
+def check_memory_plan(config: ClusterConfig, *, detect_device: bool) -> None:
+    """Refuse a config whose memory plan (`splitserve config plan`) does not fit a pool's device.
+
+    Planned only from a config.json readable here: model.path's (the embedded default's once it
+    is built); otherwise there is nothing to plan from and nothing is refused. A pool's device
+    memory is its `device_memory_bytes`, else, when the workers run on this machine
+    (`detect_device`), this machine's GPU or RAM; a pool whose device is unknown is not refused.
+    """
+    from splitserve.default_model import DEFAULT_MODEL_NAME, cache_dir
+    from splitserve.engine.model_config import KimiLinearModelConfig
+    from splitserve.memory_plan import plan_cluster
+
+    folder = Path(config.model.path).expanduser() if config.model.path else cache_dir() / DEFAULT_MODEL_NAME
+    try:
+        model = KimiLinearModelConfig.from_pretrained(folder)
+    except (OSError, ValueError):  # no checkpoint here (check_local_model says so where it matters)
+        return
+    plans = plan_cluster(config, model, detect_device=detect_device)
+    problems = [problem for plan in plans for problem in plan.problems()]
+    if problems:
+        raise ClusterError(
+            "the memory plan does not fit (`splitserve config plan` shows it): " + "; ".join(problems)
         )
 
 

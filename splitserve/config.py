@@ -153,6 +153,9 @@ class PoolConfig(_Section):
     max_num_seqs: int = Field(default=64, ge=1)
     kv_cache_memory_bytes: ByteSize = 256 * 2**20
     block_size: int = Field(default=16, ge=1)
+    # what `config plan` and `up` check the weights, cache and activations against (one GPU, or
+    # the host's RAM for a CPU pool); None: the device visible where the plan is made
+    device_memory_bytes: ByteSize | None = None
 
     @field_validator("tensor_parallel")
     @classmethod
