@@ -35,8 +35,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.store_address = store_address
         self.store = StateStoreClient(store_address, timeout_s=10.0)
         self.state_timeout_s = state_timeout_s
-        config = loop.engine.model_config
-        self.num_states = len(config.mla_layer_ids) + 2 * len(config.kda_layer_ids)
         self._readers: dict[str, StateReader] = {}
         self._lock = threading.Lock()
 
@@ -49,16 +47,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     ) -> decode_pb2.ReserveResponse:
         rid, n = request.request_id, request.num_prompt_tokens
         try:
-            accepted = self.loop.call(lambda e: e.reserve_transfer(rid, n)).result(timeout=30)
+            sink = self.loop.call(
+                lambda e: e.transfer_sink(rid) if e.reserve_transfer(rid, n) else None
+            ).result(timeout=30)
         except ValueError as exc:
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if not accepted:
+        if sink is None:
             return decode_pb2.ReserveResponse(
                 accepted=False, reject_reason="no free KV blocks or state slots"
             )
         key = f"{self.worker_id}/{rid}"
         timeout_s = request.timeout_s or self.state_timeout_s
-        reader = StateReader(self.loop, self.store, rid, key, self.num_states, timeout_s, self._free_room)
+        reader = StateReader(sink, self.store, rid, key, timeout_s, self._free_room)
         with self._lock:
             self._readers[rid] = reader
         lapse = threading.Timer(2 * timeout_s, self._lapse, args=(rid, reader))

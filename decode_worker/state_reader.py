@@ -1,41 +1,40 @@
 """Pulls one reserved request's state from the store while the prefill is still writing it.
 
 Started when the decode worker accepts a reservation: one Get waits for the key's first put and
-streams each chunk as it lands (checksums verified), and every complete layer is scattered into
-the reserved room on the engine thread. `wait` returns once every layer is in, or raises the
-reason it never will be.
+streams each chunk as it lands (checksums verified), and this reader's own thread scatters every
+piece straight into the reserved room through the engine's `TransferSink` (each MLA chunk as
+it lands, each KDA state once whole). The engine thread takes no part until admission, so a busy
+decode worker adds no step per layer to a handoff. `wait` returns once the whole prompt's state
+is in, or raises the reason it never will be.
 """
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 
-from splitserve.engine.engine_loop import EngineLoop
-from splitserve.engine.llm_engine import LLMEngine
-from splitserve.engine.state_codec import decode
+from splitserve.engine.state_codec import decode_pieces
+from splitserve.engine.transfer_sink import TransferSink
 from splitserve.state import Chunk
 from splitserve.state.client import StateStoreClient
 
 
 class StateReader:
-    """Owns one Get stream and its thread; counts the layer states it delivered."""
+    """Owns one Get stream and its thread; its sink counts what landed (tokens per MLA layer,
+    KDA states), so MLA rows may arrive in any number of token ranges."""
 
     def __init__(
         self,
-        loop: EngineLoop,
+        sink: TransferSink,
         store: StateStoreClient,
         request_id: str,
         key: str,
-        num_states: int,
         timeout_s: float,
         on_failure: Callable[[StateReader], None] | None = None,
     ) -> None:
-        self.loop, self.request_id, self.key = loop, request_id, key
-        self.num_states = num_states
-        self.num_received = 0
+        self.sink, self.request_id, self.key = sink, request_id, key
+        self.num_pieces = 0
         self.num_bytes = 0
         self.error: BaseException | None = None
         self.first_chunk_at: float | None = None
@@ -47,7 +46,7 @@ class StateReader:
         threading.Thread(target=self._pull, name=f"state-reader-{request_id}", daemon=True).start()
 
     def wait(self, timeout_s: float) -> None:
-        """Returns once every layer is in; raises the store's error (`StateStoreError`, e.g.
+        """Returns once every piece is in; raises the store's error (`StateStoreError`, e.g.
         `CorruptStateError`), `TimeoutError`, or `RuntimeError` (cancelled, or the state fell short)."""
         if not self._done.wait(timeout_s):
             self.cancel()
@@ -62,15 +61,11 @@ class StateReader:
     def _pull(self) -> None:
         rid = self.request_id
         try:
-            for state in decode(self._count(self._stream)):
-                self.loop.call(
-                    functools.partial(LLMEngine.write_transferred_state, request_id=rid, state=state)
-                ).result()
-                self.num_received += 1
-            if self.num_received != self.num_states:
-                raise RuntimeError(
-                    f"state of {rid} ended after {self.num_received} of {self.num_states} layer states"
-                )
+            for piece in decode_pieces(self._count(self._stream)):
+                self.sink.write(piece)  # into the reserved rows/slot, on this thread
+                self.num_pieces += 1
+            if not self.sink.complete:
+                raise RuntimeError(f"state of {rid} ended short: {self.sink.missing()}")
         except BaseException as exc:
             self.error = RuntimeError(f"state transfer of {rid} cancelled") if self._stream.cancelled else exc
         finally:

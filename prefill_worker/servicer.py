@@ -1,5 +1,6 @@
 """The Prefill gRPC service: runs a prompt on the engine, streams its state to the decode
-target's store layer by layer as the final chunk finishes each layer, returns the first token."""
+target's store as it becomes final (each chunk's MLA rows as that chunk finishes each layer, the
+KDA states after the last chunk), returns the first token once the state is sealed."""
 
 from __future__ import annotations
 

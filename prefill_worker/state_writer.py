@@ -1,16 +1,19 @@
-"""Streams one request's state into a store with a single Put, layer by layer as the prefill runs.
+"""Streams one request's state into a store with a single Put, piece by piece as the prefill runs.
 
-The engine thread only queues each finished layer; gRPC's sending thread cuts it into chunks,
-checksums and sends them, so the engine never waits on the network or on crc32. `finish` seals
-the key and waits for the store's ack.
+The engine thread only queues each piece it hands over (a copy of one prefill chunk's MLA rows
+of one layer, or a KDA state after the last chunk); gRPC's sending thread copies it to the host,
+cuts it into chunks, checksums and sends them, so the engine never waits on the network, on
+crc32 or on a device sync. `finish` seals the key and waits for the store's ack.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from splitserve.engine.state_codec import encode
 from splitserve.engine.state_transfer import LayerState
+from splitserve.state import StateKind
 from splitserve.state.client import StateStoreClient
 
 
@@ -20,14 +23,25 @@ class StateWriter:
     def __init__(self, client: StateStoreClient, key: str, owner: str, lease_s: float) -> None:
         self.key, self.owner = key, owner
         self.num_bytes = 0
-        self.first_write_s: float | None = None  # monotonic time the first layer was queued
+        self.first_write_s: float | None = None  # monotonic time the first piece was queued
         self._client = client
+        self._sent_until: dict[int, int] = {}  # MLA layer -> rows [0, n) already queued
         self._put = client.open_put(key, owner=owner, lease_s=lease_s)
 
     def write(self, state: LayerState) -> None:
+        """Queue one piece (engine thread). Rows already queued are dropped: a preempted prefill
+        recomputes its prompt from the start, and the store takes each chunk once."""
+        if state.kind is StateKind.MLA_KV:
+            sent = self._sent_until.get(state.layer_id, 0)
+            if state.token_end <= sent:
+                return
+            if state.token_start < sent:
+                skip = sent - state.token_start
+                state = dataclasses.replace(state, tensor=state.tensor[skip:], token_start=sent)
+            self._sent_until[state.layer_id] = state.token_end
         if self.first_write_s is None:
             self.first_write_s = time.monotonic()
-        self.num_bytes += state.tensor.numel() * state.tensor.element_size()
+        self.num_bytes += state.num_bytes
         self._put.write(encode(state, self.key))  # a generator: runs on the sending thread
 
     def finish(self, timeout_s: float) -> None:
@@ -35,7 +49,7 @@ class StateWriter:
         self._put.finish(timeout_s)
 
     def stream_s(self) -> float:
-        """Seconds from the first layer queued until now (call after `finish`); 0 if none was."""
+        """Seconds from the first piece queued until now (call after `finish`); 0 if none was."""
         return 0.0 if self.first_write_s is None else time.monotonic() - self.first_write_s
 
     def cancel(self) -> None:

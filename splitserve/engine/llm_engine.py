@@ -21,8 +21,9 @@ from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
-from splitserve.engine.state_transfer import LayerState, token_rows, write_layer
+from splitserve.engine.state_transfer import LayerState, token_rows
 from splitserve.engine.stopping import check_stop
+from splitserve.engine.transfer_sink import TransferSink
 from splitserve.engine_config import EngineConfig
 from splitserve.sampling_params import SamplingParams
 
@@ -84,6 +85,7 @@ class LLMEngine:
         self.sampler = Sampler(mc.vocab_size, mc.eos_token_ids, device=self.device, base_seed=config.seed)
         self.runner = ModelRunner(self.model, self.caches, self.sampler, config.block_size, self.device)
         self.requests: dict[str, Request] = {}
+        self._sinks: dict[str, TransferSink] = {}  # reserved requests' state, written from any thread
         self._arrivals = itertools.count()
         logger.info(
             "engine ready: %d KV blocks x %d tokens, %d state slots, %.1f MiB of cache",
@@ -129,8 +131,10 @@ class LLMEngine:
         """Validate and queue; raises ValueError naming what is wrong with the request.
 
         With `export`, the request is prefill-only: it ends after its first token (finish reason
-        "handoff" unless that token already ended it) and `export` receives every layer's state
-        as the final prompt chunk finishes that layer.
+        "handoff" unless that token already ended it) and `export` receives its state as it becomes
+        final: each prompt chunk's MLA rows as that chunk finishes each MLA layer, the KDA states as
+        the final chunk finishes each KDA layer. It runs on the engine thread: queue, do not send.
+        A preempted request recomputes and exports its rows again.
         """
         request = self._new_request(request_id, prompt_token_ids, params, prompt)
         request.prefill_only = export is not None
@@ -161,21 +165,24 @@ class LLMEngine:
         placeholder = Request(request_id, [0] * num_prompt_tokens, SamplingParams(), 1, next(self._arrivals))
         if not self.scheduler.reserve(placeholder, num_prompt_tokens + 1):
             return False
+        assert placeholder.state_slot is not None
         self.requests[request_id] = placeholder
+        rows = token_rows(placeholder.block_table, num_prompt_tokens, self.config.block_size)
+        self._sinks[request_id] = TransferSink(
+            self.caches, rows, placeholder.state_slot, num_prompt_tokens, self.device
+        )
         return True
 
-    def write_transferred_state(self, request_id: str, state: LayerState) -> None:
-        """Scatter one arriving layer state into the room `reserve_transfer` held."""
-        request = self.scheduler.reserved.get(request_id)
-        if request is None or request.state_slot is None:
+    def transfer_sink(self, request_id: str) -> TransferSink:
+        """Where the state of a reservation is written, from any thread (see `TransferSink`)."""
+        sink = self._sinks.get(request_id)
+        if sink is None:
             raise KeyError(f"no reservation for request {request_id!r}")
-        if state.token_end != request.num_prompt_tokens:
-            raise ValueError(
-                f"state covers tokens [{state.token_start}, {state.token_end}); the prompt has "
-                f"{request.num_prompt_tokens}"
-            )
-        rows = token_rows(request.block_table, request.num_prompt_tokens, self.config.block_size)
-        write_layer(self.caches, state, rows, request.state_slot)
+        return sink
+
+    def write_transferred_state(self, request_id: str, state: LayerState) -> None:
+        """Scatter one arriving piece into the room `reserve_transfer` held (any thread)."""
+        self.transfer_sink(request_id).write(state)
 
     def admit_transferred(
         self,
@@ -185,15 +192,20 @@ class LLMEngine:
         first_token_id: int,
         first_logprobs: dict[int, float] | None = None,
     ) -> Request:
-        """Every layer has arrived: the request joins the batch after its first token."""
+        """Every piece has arrived: the request joins the batch after its first token (the only
+        work left for the engine thread; the state is already in place)."""
         reserved = self.scheduler.reserved.get(request_id)
-        if reserved is None:
+        sink = self._sinks.get(request_id)
+        if reserved is None or sink is None:
             raise KeyError(f"no reservation for request {request_id!r}")
+        if not sink.complete:
+            raise ValueError(f"state of {request_id} is incomplete: {sink.missing()}")
         request = self._new_request("", prompt_token_ids, params, None)
         if request.num_prompt_tokens != reserved.num_prompt_tokens:
             raise ValueError(
                 f"prompt has {request.num_prompt_tokens} tokens; {reserved.num_prompt_tokens} were reserved"
             )
+        self._sinks.pop(request_id).close()  # from here steps read its rows: no writer may touch them
         reserved.prompt_token_ids, reserved.params, reserved.max_tokens = (
             request.prompt_token_ids,
             params,
@@ -244,6 +256,9 @@ class LLMEngine:
             scheduler.release(request)
 
     def abort_request(self, request_id: str) -> None:
+        sink = self._sinks.pop(request_id, None)
+        if sink is not None:
+            sink.close()  # waits out a piece being written, so its room is freed only after
         request = self.requests.pop(request_id, None)
         if request is not None and not request.finished:
             self.scheduler.finish(request, "abort")

@@ -11,7 +11,7 @@ from splitserve.engine.forward_batch import ForwardBatch, TokenGroup
 from splitserve.engine.model.kimi_linear import KimiLinearForCausalLM, LayerCaches
 from splitserve.engine.sampler import Sampler, SamplingRow
 from splitserve.engine.scheduler import ScheduledRequest
-from splitserve.engine.state_transfer import extract_layer, token_rows
+from splitserve.engine.state_transfer import extract_kda, extract_mla_rows, token_rows
 
 
 @dataclass
@@ -45,7 +45,7 @@ class ModelRunner:
         multis = [s for s in scheduled if s.num_new_tokens > 1]
         ordered = singles + multis
         batch = self.build_batch(singles, multis)
-        batch.after_layer = self._exporter([s for s in ordered if s.samples and s.request.export is not None])
+        batch.after_layer = self._exporter([s for s in ordered if s.request.export is not None])
         hidden = self.model(batch, self.caches)
         sampling = [s for s in ordered if s.samples]
         if not sampling:
@@ -65,20 +65,32 @@ class ModelRunner:
         return StepResult(ids, lps)
 
     def _exporter(self, exporting: list[ScheduledRequest]) -> Callable[[int], None] | None:
-        """After each layer, hand every exporting request that layer's state (its final chunk ran)."""
+        """After each layer, hand every exporting request its state that this layer made final:
+        the MLA rows of the chunk that just ran (every chunk), the KDA states after the last one.
+
+        Only copies are handed over (a gather on the device, never a sync): the export callable
+        queues them and encodes and sends them on its own thread.
+        """
         if not exporting:
             return None
         jobs = []
         for s in exporting:
             req = s.request
-            num_tokens = req.num_computed_tokens + s.num_new_tokens
-            jobs.append((req, token_rows(req.block_table, num_tokens, self.block_size), num_tokens))
+            start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
+            end = min(end, req.num_prompt_tokens)  # rows past the prompt are not state to ship
+            rows = token_rows(req.block_table, end, self.block_size, start)
+            jobs.append((req, rows, start, end, s.samples))
+        mla = self.caches.mla_kv
 
         def after_layer(layer_id: int) -> None:
-            for req, rows, num_tokens in jobs:
+            for req, rows, start, end, last in jobs:
                 assert req.export is not None and req.state_slot is not None
-                for state in extract_layer(self.caches, layer_id, rows, req.state_slot, num_tokens):
-                    req.export(state)
+                n = req.num_prompt_tokens
+                if layer_id in mla and end > start:
+                    req.export(extract_mla_rows(self.caches, layer_id, rows, start, n))
+                elif layer_id not in mla and last:
+                    for state in extract_kda(self.caches, layer_id, req.state_slot, n):
+                        req.export(state)
 
         return after_layer
 

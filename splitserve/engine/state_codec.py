@@ -3,10 +3,17 @@
 Only tensors meet bytes here; checksums, kinds, dtypes and the wire live in `splitserve.state`.
 A dtype travels as torch's name (`float32`), listed in `splitserve.state.DTYPE_ITEMSIZE`, and
 comes back with `getattr(torch, name)`.
+
+An MLA layer's rows may arrive in several pieces (one per prefill chunk), so its chunks are
+numbered by token: chunk_index is the position of the chunk's first token and num_chunks the
+prompt's length. Those ids are unique per (key, layer, kind) however the prompt was cut, and
+sorting by them orders the rows. KDA states keep 0..n-1.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -19,15 +26,15 @@ from splitserve.state import DEFAULT_CHUNK_BYTES, Chunk, ChunkMeta, CorruptState
 def encode(state: LayerState, key: str, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[Chunk]:
     """`state` as `key`'s chunks along its first axis (rows stay whole).
 
-    Lazy: nothing is cut or checksummed until the first chunk is asked for, so a writer can hand
-    the generator to a sending thread. The tensor's memory is read in place; each chunk's bytes
-    are its one copy.
+    Lazy: nothing is copied to the host, cut or checksummed until the first chunk is asked for,
+    so a writer can hand the generator to a sending thread. The host tensor's memory is read in
+    place; each chunk's bytes are its one copy.
     """
     tensor = state.tensor.detach().cpu().contiguous()
     if tensor.dim() == 0:
         tensor = tensor.reshape(1)
     data = tensor.reshape(-1).view(torch.uint8).numpy().data  # its bytes in place (numpy has no bfloat16)
-    yield from make_chunks(
+    chunks = make_chunks(
         key,
         state.layer_id,
         state.kind,
@@ -38,10 +45,48 @@ def encode(state: LayerState, key: str, max_chunk_bytes: int = DEFAULT_CHUNK_BYT
         token_end=state.token_end,
         max_chunk_bytes=max_chunk_bytes,
     )
+    if state.kind is not StateKind.MLA_KV:
+        yield from chunks
+        return
+    for chunk in chunks:  # numbered by token (see the module docstring)
+        meta = dataclasses.replace(
+            chunk.meta, chunk_index=chunk.meta.token_start, num_chunks=state.prompt_len
+        )
+        yield Chunk(meta, chunk.data)
+
+
+def decode_pieces(chunks: Iterable[Chunk]) -> Iterator[LayerState]:
+    """What a reader scatters as chunks land: each MLA chunk at once as its own piece (its token
+    range; no reassembly), each KDA state once all its chunks are in. The pieces' tensors read
+    the chunks' bytes in place (read-only: copy them, do not write to them).
+
+    Raises `CorruptStateError` if a KDA state's chunks do not add up or the stream ends mid-state.
+    """
+    pending: dict[tuple[int, StateKind], list[Chunk]] = {}
+    for chunk in chunks:
+        meta = chunk.meta
+        if meta.kind is StateKind.MLA_KV:
+            if meta.chunk_index != meta.token_start or meta.num_chunks < meta.token_end:
+                raise CorruptStateError(
+                    f"{meta.describe()} covers tokens [{meta.token_start}, {meta.token_end}): an MLA "
+                    "chunk is numbered by its first token out of the prompt's length"
+                )
+            tensor = _view(chunk.data, meta.dtype, meta.shape)
+            yield LayerState(meta.layer, meta.kind, tensor, meta.token_start, meta.token_end, meta.num_chunks)
+            continue
+        parts = pending.setdefault((meta.layer, meta.kind), [])
+        _check_continues(parts, meta)
+        parts.append(chunk)
+        if len(parts) == meta.num_chunks:
+            del pending[(meta.layer, meta.kind)]
+            yield LayerState(meta.layer, meta.kind, _tensor(parts), parts[0].meta.token_start, meta.token_end)
+    if pending:
+        raise CorruptStateError(f"state stream ended with {len(pending)} incomplete KDA states")
 
 
 def decode(chunks: Iterable[Chunk]) -> Iterator[LayerState]:
-    """Reassembles layer states from chunks in order per (layer, kind), as a Get streams them.
+    """Reassembles whole layer states from chunks in order per (layer, kind), as a Get streams
+    them; MLA rows are joined into one state once they reach the prompt's last token.
 
     Yields each state as its last chunk lands. Raises `CorruptStateError` if the chunks of one
     state do not add up (out of order, mixed dtypes or row shapes) or the stream ends mid-state.
@@ -53,7 +98,7 @@ def decode(chunks: Iterable[Chunk]) -> Iterator[LayerState]:
         parts = pending.setdefault(object_id, [])
         _check_continues(parts, meta)
         parts.append(chunk)
-        if len(parts) == meta.num_chunks:
+        if (meta.token_end if meta.kind is StateKind.MLA_KV else len(parts)) == meta.num_chunks:
             del pending[object_id]
             first = parts[0].meta
             yield LayerState(meta.layer, meta.kind, _tensor(parts), first.token_start, meta.token_end)
@@ -63,14 +108,27 @@ def decode(chunks: Iterable[Chunk]) -> Iterator[LayerState]:
 
 def _check_continues(parts: list[Chunk], meta: ChunkMeta) -> None:
     first = parts[0].meta if parts else meta
-    if (
-        meta.chunk_index != len(parts)
-        or (meta.dtype, meta.shape[1:], meta.num_chunks) != (first.dtype, first.shape[1:], first.num_chunks)
+    if meta.kind is StateKind.MLA_KV:
+        expected = parts[-1].meta.token_end if parts else 0  # a whole state starts at token 0
+    else:
+        expected = len(parts)
+    if meta.chunk_index != expected or (meta.dtype, meta.shape[1:], meta.num_chunks) != (
+        first.dtype,
+        first.shape[1:],
+        first.num_chunks,
     ):
         raise CorruptStateError(
             f"{meta.describe()} ({meta.dtype} {meta.shape}) does not continue the {len(parts)} chunks "
             f"before it ({first.dtype} {first.shape}); the state was written wrongly"
         )
+
+
+def _view(data: bytes, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """`data` as a tensor without a copy (read-only memory: torch warns it would be unsafe to write)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return flat.view(getattr(torch, dtype)).reshape(shape)
 
 
 def _tensor(parts: list[Chunk]) -> torch.Tensor:

@@ -9,7 +9,7 @@ from splitserve import LLM, SamplingParams
 from splitserve.engine.llm_engine import HANDOFF, LLMEngine
 from splitserve.engine.state_transfer import LayerState
 from splitserve.engine_config import EngineConfig
-from splitserve.state import StateKind
+from splitserve.state import CorruptStateError, StateKind
 
 PROMPTS = [[7, 8, 9], list(range(3, 120)), [44] * 33 + list(range(50, 90))]
 
@@ -60,7 +60,7 @@ def test_every_layer_ships_its_state_once(tiny_model_path):
     prefill, _, states, _ = _disaggregated(tiny_model_path, params)
     config = prefill.model_config
     for prompt, shipped in zip(PROMPTS, states.values()):
-        kinds = sorted((s.layer_id, s.kind) for s in shipped)
+        kinds = sorted({(s.layer_id, s.kind) for s in shipped})
         expected = sorted(
             [(lid, StateKind.MLA_KV) for lid in config.mla_layer_ids]
             + [
@@ -71,11 +71,67 @@ def test_every_layer_ships_its_state_once(tiny_model_path):
         )
         assert kinds == expected
         for s in shipped:
-            assert (s.token_start, s.token_end) == (0, len(prompt))
+            assert s.prompt_len == len(prompt)
             if s.kind == StateKind.MLA_KV:
-                assert s.tensor.shape == (len(prompt), config.kv_lora_rank + config.qk_rope_head_dim)
+                rows = s.token_end - s.token_start
+                assert s.tensor.shape == (rows, config.kv_lora_rank + config.qk_rope_head_dim)
+            else:
+                assert (s.token_start, s.token_end) == (0, len(prompt))
             if s.kind == StateKind.KDA_RECURRENT:
                 assert s.tensor.dtype == torch.float32 and s.tensor.abs().sum() > 0
+        for lid in config.mla_layer_ids:  # every token's row exactly once, in order
+            ranges = [(s.token_start, s.token_end) for s in shipped if s.layer_id == lid]
+            assert [a for a, _ in ranges] == [0] + [b for _, b in ranges[:-1]] and ranges[-1][1] == len(
+                prompt
+            )
+        kda = [s for s in shipped if s.kind != StateKind.MLA_KV]
+        assert len(kda) == 2 * len(config.kda_layer_ids)
+
+
+def test_a_chunked_prefill_streams_each_chunks_rows_as_it_runs(tiny_model_path):
+    """With a 16-token budget, a 117-token prompt's MLA rows leave in 8 pieces per layer, the
+    first ones steps before the prompt ends; KDA states leave once, after the last chunk."""
+    prefill = _engine(tiny_model_path, max_num_batched_tokens=16)
+    exported: list[tuple[int, LayerState]] = []
+    steps = 0
+    prompt = PROMPTS[1]
+    prefill.add_request(
+        "r", prompt, SamplingParams(max_tokens=2), export=lambda s: exported.append((steps, s))
+    )
+    while prefill.has_unfinished_requests:
+        prefill.step()
+        steps += 1
+    assert steps == 8
+    mla_id = prefill.model_config.mla_layer_ids[0]
+    pieces = [(step, s.token_start, s.token_end) for step, s in exported if s.layer_id == mla_id]
+    assert pieces == [(i, 16 * i, min(16 * (i + 1), len(prompt))) for i in range(8)]
+    assert {step for step, s in exported if s.kind != StateKind.MLA_KV} == {7}
+
+
+def test_chunked_prefill_disaggregated_equals_one_engine(tiny_model_path):
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * len(PROMPTS)
+    _, _, _, tokens = _disaggregated(tiny_model_path, params, prefill_kw={"max_num_batched_tokens": 16})
+    assert tokens == _colocated(tiny_model_path, params)
+
+
+def test_admission_waits_for_every_token_of_every_layer(tiny_model_path):
+    prefill, decode = _engine(tiny_model_path, max_num_batched_tokens=16), _engine(tiny_model_path)
+    prompt, states = PROMPTS[1], []
+    prefill.add_request("r", prompt, SamplingParams(max_tokens=2), export=states.append)
+    _run_until_done(prefill)
+    assert decode.reserve_transfer("r", len(prompt))
+    last_mla = max(i for i, s in enumerate(states) if s.kind == StateKind.MLA_KV)
+    for i, state in enumerate(states):
+        if i != last_mla:
+            decode.write_transferred_state("r", state)
+    with pytest.raises(ValueError, match="incomplete"):
+        decode.admit_transferred("r", prompt, SamplingParams(), 1)
+    with pytest.raises(CorruptStateError, match="arrived twice"):
+        decode.write_transferred_state("r", states[0])
+    decode.write_transferred_state("r", states[last_mla])
+    decode.admit_transferred("r", prompt, SamplingParams(max_tokens=3), 1)
+    with pytest.raises(KeyError, match="no reservation"):
+        decode.write_transferred_state("r", states[0])
 
 
 def test_greedy_disaggregated_equals_one_engine(tiny_model_path):
@@ -103,7 +159,7 @@ def test_decode_refuses_state_that_does_not_fit(tiny_model_path):
         decode.write_transferred_state(
             "x", LayerState(layer, StateKind.KDA_RECURRENT, torch.zeros(2, 2), 0, 3)
         )
-    with pytest.raises(ValueError, match="prompt has 3"):
+    with pytest.raises(ValueError, match="3 were reserved"):
         decode.write_transferred_state(
             "x", LayerState(layer, StateKind.KDA_RECURRENT, torch.zeros(2, 2), 0, 4)
         )

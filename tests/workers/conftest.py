@@ -8,11 +8,9 @@ from colocated_worker.actor import ColocatedWorkerActor
 from decode_worker.actor import DecodeWorkerActor
 from prefill_worker.actor import PrefillWorkerActor
 from splitserve.engine_config import EngineConfig
-from splitserve.rpc import start_server
 from splitserve.tiny_model import make_tiny_model
-from splitserve.v1 import store_pb2_grpc
 from state_store.config import StoreConfig
-from state_store.servicer import StateStoreServicer
+from state_store.server import StateStoreServer
 from state_store.store import StateStore
 
 
@@ -29,12 +27,9 @@ def engine_config(model_path):
 @pytest.fixture(scope="module")
 def store_server():
     store = StateStore.from_config(StoreConfig(memory_bytes=64 << 20))
-    servicer = StateStoreServicer(store)
-    server, address, _ = start_server(
-        lambda s: store_pb2_grpc.add_StateStoreServicer_to_server(servicer, s), "127.0.0.1", 0
-    )
-    yield store, address
-    server.stop(grace=0).wait(5)
+    server = StateStoreServer(store, "127.0.0.1", 0)
+    yield store, server.address
+    server.stop(grace_s=0)
     store.close()
 
 
