@@ -140,13 +140,18 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
         "this deployment's name on this machine and its Ray namespace (default: default); "
         "give each deployment sharing the machine or the Ray cluster its own",
     )
+    parser.add_argument("--host", default=None, help="the gateway's address (default: the config's gateway.host)")
+    parser.add_argument(
+        "--port", type=int, default=None, help="the gateway's port (default: the config's gateway.port)"
+    )
 
 
 def _run_up(args: argparse.Namespace) -> int:
-    from splitserve.config import ConfigError, default_config, load_config
+    from splitserve.config import ConfigError, default_config, load_config, with_gateway_address
 
     try:
         config = load_config(args.config) if args.config else default_config()
+        config = with_gateway_address(config, host=args.host, port=args.port)
     except ConfigError as exc:
         print(f"splitserve up: {exc}", file=sys.stderr)
         return 2

@@ -337,6 +337,15 @@ def parse_config(data: dict[str, Any], *, source: str = "<config>") -> ClusterCo
         raise ConfigError(f"{source}: {len(problems)} problems:\n{listing}") from None
 
 
+def with_gateway_address(config: ClusterConfig, *, host: str | None, port: int | None) -> ClusterConfig:
+    """A validated copy of `config` whose gateway listens at `host`/`port` (None keeps the config's)."""
+    if host is None and port is None:
+        return config
+    data = config.model_dump(mode="json")
+    data["gateway"].update({k: v for k, v in (("host", host), ("port", port)) if v is not None})
+    return parse_config(data, source="--host/--port")
+
+
 def _describe(error: Any) -> str:
     loc = tuple(error["loc"])
     key = ".".join(str(part) for part in loc)

@@ -19,6 +19,7 @@ from splitserve.config import (
     load_config,
     parse_bytes,
     parse_config,
+    with_gateway_address,
 )
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine_config import EngineConfig
@@ -265,3 +266,13 @@ def test_an_explicit_max_model_len_goes_to_the_gateway_as_is(long_context_path):
     assert "max_model_len" not in gateway_settings_kwargs(
         parse_config({"model": {"path": "/nowhere"}}), "/nowhere"
     )
+
+
+def test_the_gateway_address_can_be_overridden_and_is_validated():
+    config = default_config()
+    moved = with_gateway_address(config, host=None, port=9000)
+    assert (moved.gateway.host, moved.gateway.port) == (config.gateway.host, 9000)
+    assert moved.prefill == config.prefill and config.gateway.port != 9000  # the original is unchanged
+    assert with_gateway_address(config, host=None, port=None) is config
+    with pytest.raises(ConfigError, match="--host/--port"):
+        with_gateway_address(config, host=None, port=70000)
