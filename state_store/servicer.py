@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from splitserve.state.chunk import Chunk
+from splitserve.state.chunk import MAX_CHUNK_BYTES, Chunk, ChunkMeta, make_chunks
 from splitserve.state.errors import StateStoreError, StateTimeoutError
 from splitserve.state.status import abort_with_error_async
 from splitserve.state.wire import (
@@ -67,14 +67,9 @@ class StateStoreServicer(store_pb2_grpc.StateStoreServicer):
                     continue
                 if msg.region:
                     meta = meta_from_proto(msg)
-                    await self._run(
-                        self.store.put_region,
-                        meta,
-                        msg.region,
-                        msg.region_offset,
-                        owner=msg.owner,
-                        lease_s=lease_s,
-                        final=msg.final,
+                    # metadata only, under the store's lock for microseconds: no thread hop
+                    self.store.put_region(
+                        meta, msg.region, msg.region_offset, owner=msg.owner, lease_s=lease_s, final=msg.final
                     )
                     num_bytes += meta.num_bytes
                 else:
@@ -111,12 +106,28 @@ class StateStoreServicer(store_pb2_grpc.StateStoreServicer):
                 place = self.store.location(step) if request.regions else None
                 if place is not None:
                     yield chunk_to_proto(step, region=place[0], region_offset=place[1])
-                else:
+                elif step.num_bytes <= MAX_CHUNK_BYTES:
                     yield chunk_to_proto(Chunk(step, await self._run(self.store.read, step)))
+                else:  # a whole region piece, to a reader off the node: cut to fit gRPC messages
+                    for chunk in await self._run(self._cut, step):
+                        yield chunk_to_proto(chunk)
         except _ERRORS as e:
             await abort_with_error_async(context, e)
         finally:
             unwatch()
+
+    def _cut(self, meta: ChunkMeta) -> list[Chunk]:
+        """A region piece's verified bytes as chunks of one message each (checksummed anew)."""
+        return make_chunks(
+            meta.key,
+            meta.layer,
+            meta.kind,
+            self.store.read(meta),
+            dtype=meta.dtype,
+            shape=meta.shape,
+            token_start=meta.token_start,
+            token_end=meta.token_end,
+        )
 
     @staticmethod
     async def _wait(changed: asyncio.Event, deadline: float | None, key: str, position: int) -> None:

@@ -180,12 +180,13 @@ class StateStore:
         """Commits a chunk whose bytes the writer put in `region` (of its key) at `offset`.
 
         Like `put`, but no byte moves and none is checked here: the reader verifies the checksum
-        before it uses a byte (one pass per hop).
+        before it uses a byte (one pass per hop). A region's chunk may be a whole piece of any
+        size if it is its object's only chunk (a reader of bytes gets it cut up by the servicer).
         """
-        if meta.num_bytes > self.max_chunk_bytes:
+        if meta.num_bytes > self.max_chunk_bytes and meta.num_chunks != 1:
             raise InvalidChunkError(
-                f"{meta.describe()} is {meta.num_bytes} bytes, over the store's {self.max_chunk_bytes}; "
-                "cut it with splitserve.state.chunk_layout"
+                f"{meta.describe()} is {meta.num_bytes} bytes, over the store's {self.max_chunk_bytes}, "
+                "and not its object's only chunk; commit a region's piece as one chunk"
             )
         with self._lock:
             if self._closed:

@@ -96,11 +96,18 @@ class StateStoreClient:
         return reply.num_chunks, reply.num_bytes
 
     def open_put(
-        self, key: str, *, owner: str, lease_s: float | None = None, shared_memory: bool | None = None
+        self,
+        key: str,
+        *,
+        owner: str,
+        lease_s: float | None = None,
+        shared_memory: bool | None = None,
+        expected_bytes: int | None = None,
     ) -> PutStream:
         """A Put of `key` that stays open: `write` chunks or `write_state` tensors' bytes as they
         are made, then `finish` or `cancel`. `write_state` pieces go through the store's arena
-        when `shared_memory` is True, or None (the default) and the store shares this node."""
+        when `shared_memory` is True, or None (the default) and the store shares this node;
+        `expected_bytes` (the state's total, if known) sizes the first region to hold it all."""
         arena = self.local_arena() if shared_memory is not False else None
         if shared_memory and arena is None:
             raise StateUnavailableError(f"the store at {self.address} has no arena this process can map")
@@ -108,7 +115,9 @@ class StateStoreClient:
         def allocate(key: str, layer: int, kind: StateKind, num_bytes: int) -> str:
             return self.allocate(key, layer, kind, num_bytes, owner=owner, lease_s=lease_s)
 
-        return PutStream(self._stub, key, owner, lease_s, arena=arena, allocate=allocate)
+        return PutStream(
+            self._stub, key, owner, lease_s, arena=arena, allocate=allocate, expected_bytes=expected_bytes
+        )
 
     def seal(self, key: str, *, owner: str) -> None:
         self._call(lambda: self._stub.Put(iter([seal_message(key, owner)]), timeout=self.timeout_s))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from splitserve.state.errors import StateUnavailableError
@@ -46,7 +47,55 @@ class LocalArena:
             size = os.fstat(fd).st_size
             if size == 0:
                 return memoryview(b"")
-            access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
-            return memoryview(mmap.mmap(fd, size, access=access))
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            # MAP_POPULATE: map every page now, not one fault per 4 KiB during the copy
+            return memoryview(mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=prot))
         finally:
             os.close(fd)
+
+
+MIN_SLAB_BYTES = 8 << 20  # a writer's first region, unless told the state's size or a piece is larger
+MAX_SLAB_BYTES = 256 << 20  # regions double up to this, so a big state needs few Allocate calls
+ALIGN_BYTES = 256  # every piece starts aligned, so any dtype can view it in place
+
+# (layer, kind name, num_bytes) -> the name of a fresh region of the store's arena for the key
+RegionAllocator = Callable[[int, str, int], str]
+
+
+class SlabWriter:
+    """Places one key's pieces in regions it asks the store for, several pieces per region.
+
+    Owns its current region's writable mapping. Regions start at `expected_bytes` (if the writer
+    knows the state's size: then one region holds it all) or `MIN_SLAB_BYTES`, and double up to
+    `MAX_SLAB_BYTES`; a piece never straddles two. Not thread-safe (a Put's sending thread).
+    """
+
+    def __init__(
+        self, arena: LocalArena, allocate: RegionAllocator, expected_bytes: int | None = None
+    ) -> None:
+        self.arena, self._allocate = arena, allocate
+        self._next_bytes = expected_bytes or MIN_SLAB_BYTES
+        self._region = ""
+        self._view = memoryview(b"")
+        self._used = 0
+
+    def place(self, layer: int, kind: str, data: memoryview) -> tuple[str, int, memoryview]:
+        """Copies `data` (bytes) into a region once; (region, offset, the copy) for its commit."""
+        num_bytes = data.nbytes
+        offset = -(-self._used // ALIGN_BYTES) * ALIGN_BYTES
+        if offset + num_bytes > self._view.nbytes:
+            size = max(num_bytes, self._next_bytes)
+            self._next_bytes = min(2 * size, MAX_SLAB_BYTES)
+            self.close()
+            self._region = self._allocate(layer, kind, size)
+            self._view = self.arena.map(self._region, writable=True)
+            offset = 0
+        target = self._view[offset : offset + num_bytes]
+        target[:] = data
+        self._used = offset + num_bytes
+        return self._region, offset, target
+
+    def close(self) -> None:
+        """Drops the mapping (the region stays the store's)."""
+        self._view.release()
+        self._view = memoryview(b"")

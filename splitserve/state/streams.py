@@ -17,7 +17,7 @@ import grpc
 from splitserve.state import checksum
 from splitserve.state.chunk import DEFAULT_CHUNK_BYTES, Chunk, ChunkMeta, StateKind, chunk_layout, make_chunks
 from splitserve.state.errors import StateTimeoutError
-from splitserve.state.shm import LocalArena
+from splitserve.state.shm import LocalArena, SlabWriter
 from splitserve.state.status import error_from_rpc
 from splitserve.state.wire import chunk_from_proto, chunk_to_proto, meta_from_proto, seal_message
 from splitserve.v1 import common_pb2, store_pb2_grpc
@@ -39,6 +39,7 @@ class StatePiece:
     token_end: int
     max_chunk_bytes: int
 
+
 _END = None  # queued last: the sending thread stops reading the queue
 
 
@@ -49,7 +50,8 @@ class PutStream:
     queued and sends it, so work inside a lazy iterable (cutting and checksumming a tensor) runs
     there too, never on the writer's thread. Chunks must belong to `key`. After `finish` or
     `cancel`, writes are dropped. With an `arena` and its `allocate`, `write_state` pieces go
-    through shared memory (one copy each); without, they are cut into chunks and sent as bytes.
+    through shared memory (one copy each, several pieces per region: `SlabWriter`, whose first
+    region is `expected_bytes` if given); without, they are cut into chunks and sent as bytes.
     """
 
     def __init__(
@@ -61,8 +63,11 @@ class PutStream:
         *,
         arena: LocalArena | None = None,
         allocate: Allocator | None = None,
+        expected_bytes: int | None = None,
     ) -> None:
         self.key, self.owner, self.lease_s = key, owner, lease_s or 0.0
+        self.expected_bytes = expected_bytes
+        self._slabs: SlabWriter | None = None
         self.arena = arena if allocate is not None else None
         self._allocate = allocate
         self._queue: queue.SimpleQueue[Iterable[Chunk] | StatePiece | None] = queue.SimpleQueue()
@@ -141,6 +146,9 @@ class PutStream:
         except Exception as e:  # noqa: BLE001 - ends the stream unsealed; finish raises it
             self._error = e
             return
+        finally:
+            if self._slabs is not None:
+                self._slabs.close()
         if self._seal:
             yield seal_message(self.key, self.owner)
 
@@ -160,35 +168,36 @@ class PutStream:
             ):
                 yield chunk_to_proto(chunk, owner=self.owner, lease_s=self.lease_s)
             return
-        spans = chunk_layout(
+        chunk_layout(  # raises what make_chunks would for bytes, shape and tokens that disagree
             piece.kind,
             source.nbytes,
             dtype=piece.dtype,
             shape=piece.shape,
             token_start=piece.token_start,
             token_end=piece.token_end,
-            max_chunk_bytes=piece.max_chunk_bytes,
+            max_chunk_bytes=1 << 62,
         )
-        region = self._allocate(self.key, piece.layer, piece.kind, source.nbytes)
-        target = self.arena.map(region, writable=True)
-        target[:] = source  # the one copy of these bytes
-        for index, span in enumerate(spans):
-            meta = ChunkMeta(
-                self.key,
-                piece.layer,
-                piece.kind,
-                piece.dtype,
-                span.shape,
-                span.token_start,
-                span.token_end,
-                checksum.compute(target[span.byte_start : span.byte_end]),
-                index,
-                len(spans),
-            )
-            yield chunk_to_proto(
-                meta, owner=self.owner, lease_s=self.lease_s, region=region, region_offset=span.byte_start
-            )
+        if self._slabs is None:
+            self._slabs = SlabWriter(self.arena, self._allocate_region, self.expected_bytes)
+        region, offset, target = self._slabs.place(piece.layer, piece.kind.value, source)
+        meta = ChunkMeta(  # the whole piece is one chunk: one message in, one view out
+            self.key,
+            piece.layer,
+            piece.kind,
+            piece.dtype,
+            piece.shape,
+            piece.token_start,
+            piece.token_end,
+            checksum.compute(target),
+        )
         target.release()
+        yield chunk_to_proto(
+            meta, owner=self.owner, lease_s=self.lease_s, region=region, region_offset=offset
+        )
+
+    def _allocate_region(self, layer: int, kind: str, num_bytes: int) -> str:
+        assert self._allocate is not None
+        return self._allocate(self.key, layer, StateKind(kind), num_bytes)
 
 
 class ChunkStream:

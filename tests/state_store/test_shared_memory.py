@@ -62,12 +62,13 @@ def test_a_reader_on_the_node_gets_views_of_the_arena(shm_server: StateStoreServ
         got, kinds = _read_layers(client, "req")
         assert all(np.array_equal(a, b) for a, b in zip(got, layers, strict=True))
         assert set(kinds) == {memoryview}  # zero-copy: views of the region, not bytes
-        assert len(kinds) == 9  # 2.4 MB per layer in 1 MiB chunks
+        assert len(kinds) == 3  # a piece is one chunk: one commit, one view
         # The gRPC-bytes path (a reader on another node) serves the same regions as bytes.
         got, kinds = _read_layers(client, "req", shared_memory=False)
         assert all(np.array_equal(a, b) for a, b in zip(got, layers, strict=True)) and set(kinds) == {bytes}
+        assert len(kinds) == 3  # each piece fits one message (over 3 MiB the store cuts it)
         region_files = list(shm_server.store.arena.directory.glob("*.region"))  # type: ignore[union-attr]
-        assert len(region_files) == 3
+        assert len(region_files) == 1  # the writer's first region (8 MiB) holds all three pieces
         assert client.release("req").num_keys == 1
         assert not list(shm_server.store.arena.directory.glob("*.region"))  # type: ignore[union-attr]
 
