@@ -140,6 +140,10 @@ _ROWS = (
         "  per batched token",
         lambda p: f"{p.activation.bytes_per_token / 2**10:,.0f} KiB x {p.activation.num_batched_tokens:,}",
     ),
+    (
+        "  + logits, CUDA runtime",
+        lambda p: f"{human_bytes(p.activation.logits_bytes)} + {human_bytes(p.activation.runtime_bytes)}",
+    ),
     ("left for KV blocks + state", _left),
     ("kv_cache_memory_bytes", lambda p: human_bytes(p.kv_cache_memory_bytes)),
     ("  state slots (max_num_seqs)", _slots),
