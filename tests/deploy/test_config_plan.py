@@ -10,11 +10,13 @@ import pytest
 import ray
 
 from cli.main import main
+from deploy.launcher import ClusterError, check_memory_plan
 from deploy.local_deployments import RUNTIME_DIR_ENV
 from splitserve.config import load_config, parse_config
 from splitserve.engine.model_config import KimiLinearModelConfig
 from splitserve.memory_plan import plan_cluster, read_model_config
 from splitserve.tiny_model import make_tiny_model
+from tests.python_process import run_python
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "configs"
 GPU_CLUSTER = DEPLOY / "gpu-cluster.yaml"
@@ -136,3 +138,22 @@ def test_up_refuses_a_plan_that_does_not_fit_before_starting_ray(tiny_path, tmp_
     err = capsys.readouterr().err
     assert "the memory plan does not fit" in err and "prefill: needs" in err and "64.00 MiB" in err
     assert not ray.is_initialized()
+
+
+def test_the_plan_of_the_gpu_example_needs_no_torch():
+    """A GPU-less head node plans without torch: the CLI's plan imports none."""
+    code = (
+        "import sys\n"
+        "from cli.main import main\n"
+        f"assert main(['config', 'plan', {str(GPU_CLUSTER)!r}]) == 0\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    assert "decode: fits" in run_python(code)
+
+
+def test_with_a_remote_ray_only_pools_that_give_their_device_memory_are_checked(tiny_path):
+    # the workers run elsewhere: this machine's RAM or GPU says nothing about their devices
+    check_memory_plan(parse_config({"model": {"path": str(tiny_path)}}), detect_device=False)
+    small = parse_config({"model": {"path": str(tiny_path)}, "decode": {"device_memory_bytes": "64MiB"}})
+    with pytest.raises(ClusterError, match=r"decode: needs .* but the device has 64.00 MiB"):
+        check_memory_plan(small, detect_device=False)
