@@ -9,12 +9,12 @@ shared by all query heads, so the pool never holds per-head keys or values.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine.forward_batch import ForwardBatch, TokenGroup
 from splitserve.engine.model.layers import RMSNorm
 from splitserve.engine.model_config import KimiLinearModelConfig
+from splitserve.engine.ops.paged_mla import paged_mla_attention
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -71,14 +71,5 @@ class MultiHeadLatentAttention(nn.Module):
     def _attend(
         self, q_full: torch.Tensor, group: TokenGroup, kv_pool: torch.Tensor, out_latent: torch.Tensor
     ) -> None:
-        rows, length, heads = group.num_rows, group.max_len, self.num_heads
-        keys = kv_pool[group.kv_index].unsqueeze(1)  # [B, 1, K, rank + rope]: one shared KV head
-        values = keys[..., : self.rank]
-        # fold heads into the query axis (row = h * L + i) so the single KV head needs no copy
-        q = q_full[group.token_index].transpose(1, 2).reshape(rows, 1, heads * length, -1)
-        mask = group.attn_mask.unsqueeze(1)
-        if length > 1:
-            mask = mask.repeat(1, 1, heads, 1)
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
-        o = o.view(rows, heads, length, self.rank).transpose(1, 2)  # [B, L, H, rank]
-        out_latent[group.token_index[group.valid]] = o[group.valid]
+        # Triton on CUDA (reads the pool through kv_index), the torch reference elsewhere
+        paged_mla_attention(q_full, kv_pool, group, self.rank, self.scale, out_latent)
