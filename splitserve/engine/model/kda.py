@@ -3,6 +3,7 @@
 State per request slot: the last `K-1` pre-conv q/k/v inputs (`conv_state`, [slots, 3*H*D, K-1])
 and the recurrent matrix (`recurrent_state`, [slots, H, Dk, Dv], fp32). A slot must be zeroed
 before a request's first chunk; every call reads and writes the slots of the rows it runs.
+The delta rule runs through `ops.kda_dispatch`: fla's kernels on CUDA, the torch reference elsewhere.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from torch import nn
 from splitserve.engine.forward_batch import ForwardBatch, TokenGroup
 from splitserve.engine.model.layers import GatedRMSNorm
 from splitserve.engine.model_config import KimiLinearModelConfig
-from splitserve.engine.ops.kda import kda_chunked, kda_recurrent_step, l2norm
+from splitserve.engine.ops.kda import l2norm
+from splitserve.engine.ops.kda_dispatch import kda_decode, kda_prefill
 
 
 class KimiDeltaAttention(nn.Module):
@@ -83,7 +85,7 @@ class KimiDeltaAttention(nn.Module):
         if batch.single is not None:
             n = batch.single.num_rows
             slots = batch.single.state_slots
-            out, new_state = kda_recurrent_step(q[:n], k[:n], v[:n], g[:n], beta[:n], recurrent_state[slots])
+            out, new_state = kda_decode(q[:n], k[:n], v[:n], g[:n], beta[:n], recurrent_state[slots])
             recurrent_state[slots] = new_state
             core[:n] = out
         if batch.multi is not None:
@@ -130,6 +132,6 @@ class KimiDeltaAttention(nn.Module):
 
         b = (beta[idx] * valid.unsqueeze(-1)).transpose(1, 2)
         slots = group.state_slots
-        o, state = kda_chunked(padded(q), padded(k), padded(v), padded(g), b, recurrent_state[slots])
+        o, state = kda_prefill(padded(q), padded(k), padded(v), padded(g), b, recurrent_state[slots])
         recurrent_state[slots] = state
         out[idx[valid]] = o.transpose(1, 2)[valid]

@@ -1,0 +1,90 @@
+"""Which KDA implementation runs: flash-linear-attention's kernels on CUDA, the torch reference elsewhere.
+
+`kda_prefill` and `kda_decode` have exactly the contracts of `kda_chunked` and
+`kda_recurrent_step` (splitserve/engine/ops/kda.py, the CPU reference): q and k arrive
+L2-normalised with q already scaled (so fla gets `scale=1` and no in-kernel norm or gate), the
+state is fp32 [N, H, Dk, Dv], and the state returned is the fp32 state after the last token.
+fla keeps its per-chunk intermediate states in the input dtype (bf16 in a bf16 model); we never
+read those: every call asks for fla's fp32 final state, so a call boundary (a chunk the
+scheduler ends, a snapshot for transfer) always takes an exact fp32 state.
+
+fla (`pip install 'splitserve[gpu]'`, package `fla-core`) runs only on CUDA, not on the CPU or
+under the Triton interpreter. `SPLITSERVE_KDA_BACKEND=torch|fla` overrides the automatic choice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from splitserve.engine.ops.backend import choose_backend, importable
+from splitserve.engine.ops.kda import kda_chunked, kda_recurrent_step
+
+BACKEND_ENV = "SPLITSERVE_KDA_BACKEND"
+
+
+def fla_available() -> bool:
+    """Whether flash-linear-attention (`fla-core`) can be imported here."""
+    return importable("fla")
+
+
+def kda_backend(device: torch.device) -> str:
+    """`fla` on a CUDA device with fla installed, else `torch`; the env var overrides."""
+    return choose_backend(BACKEND_ENV, "fla", fla_available(), "pip install 'splitserve[gpu]'", device)
+
+
+def kda_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Many tokens per row: shapes [B, H, L, D], beta [B, H, L]; see `kda_chunked`."""
+    if kda_backend(q.device) == "torch":
+        return kda_chunked(q, k, v, g, beta, state)
+    from fla.ops.kda import chunk_kda
+
+    def tokens_first(x: torch.Tensor) -> torch.Tensor:  # ours [B, H, L, ...] -> fla's [B, L, H, ...]
+        return x.transpose(1, 2).contiguous()
+
+    out, final = chunk_kda(
+        tokens_first(q),
+        tokens_first(k),
+        tokens_first(v),
+        tokens_first(g),
+        tokens_first(beta),
+        scale=1.0,
+        initial_state=state.float().contiguous(),
+        output_final_state=True,
+    )
+    return out.transpose(1, 2), final
+
+
+def kda_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row: q,k,g [N, H, Dk], v [N, H, Dv], beta [N, H]; see `kda_recurrent_step`."""
+    if kda_backend(q.device) == "torch":
+        return kda_recurrent_step(q, k, v, g, beta, state)
+    from fla.ops.kda import fused_recurrent_kda
+
+    def one_step(x: torch.Tensor) -> torch.Tensor:  # [N, H, ...] -> fla's [B=N, T=1, H, ...]
+        return x.unsqueeze(1).contiguous()
+
+    out, final = fused_recurrent_kda(
+        one_step(q),
+        one_step(k),
+        one_step(v),
+        one_step(g),
+        one_step(beta),
+        scale=1.0,
+        initial_state=state.float().contiguous(),
+        output_final_state=True,
+    )
+    return out.squeeze(1), final

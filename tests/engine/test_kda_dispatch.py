@@ -1,0 +1,101 @@
+"""KDA backend choice: the torch reference on the CPU, fla's kernels on CUDA (gpu-marked, against torch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitserve.engine.ops import kda_dispatch
+from splitserve.engine.ops.kda import kda_chunked, kda_recurrent_step, l2norm
+from splitserve.engine.ops.kda_dispatch import BACKEND_ENV, kda_backend, kda_decode, kda_prefill
+
+
+def random_inputs(
+    batch: int, heads: int, length: int, dim: int, device: str = "cpu", seed: int = 0
+) -> tuple[torch.Tensor, ...]:
+    """Inputs as the layer makes them: [B, H, L, D] fp32, q/k normalised, g <= 0, beta in (0, 1)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    q = l2norm(randn(batch, heads, length, dim)) * dim**-0.5
+    k = l2norm(randn(batch, heads, length, dim))
+    v = randn(batch, heads, length, dim)
+    g = -torch.nn.functional.softplus(randn(batch, heads, length, dim)) * 0.1
+    beta = torch.sigmoid(randn(batch, heads, length))
+    state = randn(batch, heads, dim, dim) * 0.1
+    return tuple(t.to(device) for t in (q, k, v, g, beta, state))
+
+
+def test_cpu_picks_the_torch_path(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert kda_backend(torch.device("cpu")) == "torch"
+    q, k, v, g, beta, state = random_inputs(2, 3, 21, 8)
+    out, final = kda_prefill(q, k, v, g, beta, state)
+    ref_out, ref_final = kda_chunked(q, k, v, g, beta, state)
+    assert torch.equal(out, ref_out) and torch.equal(final, ref_final)
+    step = [t[:, :, 0] for t in (q, k, v, g, beta)]
+    out, final = kda_decode(*step, state)
+    ref_out, ref_final = kda_recurrent_step(*step, state)
+    assert torch.equal(out, ref_out) and torch.equal(final, ref_final)
+
+
+def test_cuda_picks_fla_only_when_installed(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    monkeypatch.setattr(kda_dispatch, "fla_available", lambda: True)
+    assert kda_backend(torch.device("cuda")) == "fla"
+    assert kda_backend(torch.device("cpu")) == "torch"
+    monkeypatch.setattr(kda_dispatch, "fla_available", lambda: False)
+    assert kda_backend(torch.device("cuda")) == "torch"
+
+
+def test_env_overrides_and_says_what_is_wrong(monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "torch")
+    monkeypatch.setattr(kda_dispatch, "fla_available", lambda: True)
+    assert kda_backend(torch.device("cuda")) == "torch"
+    monkeypatch.setenv(BACKEND_ENV, "fla")
+    monkeypatch.setattr(kda_dispatch, "fla_available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"pip install 'splitserve\[gpu\]'"):
+        kda_backend(torch.device("cuda"))
+    monkeypatch.setenv(BACKEND_ENV, "cuda")
+    with pytest.raises(ValueError, match="expected 'torch' or 'fla'"):
+        kda_backend(torch.device("cuda"))
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_fla = pytest.mark.skipif(
+    not kda_dispatch.fla_available(), reason="needs fla-core: pip install 'splitserve[gpu]'"
+)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_fla
+@pytest.mark.parametrize("length", [1, 64, 1000])
+def test_fla_prefill_matches_torch_on_cuda(monkeypatch, length):
+    """Kimi-Linear-48B's KDA: 32 heads of 128; the final state is fp32 and equals the reference's."""
+    q, k, v, g, beta, state = random_inputs(2, 32, length, 128, "cuda")
+    monkeypatch.setenv(BACKEND_ENV, "torch")
+    ref_out, ref_final = kda_prefill(q, k, v, g, beta, state)
+    monkeypatch.setenv(BACKEND_ENV, "fla")
+    out, final = kda_prefill(q, k, v, g, beta, state)
+    assert final.dtype == torch.float32
+    torch.testing.assert_close(out.float(), ref_out, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(final, ref_final, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_fla
+def test_fla_decode_matches_torch_on_cuda(monkeypatch):
+    q, k, v, g, beta, state = random_inputs(64, 32, 1, 128, "cuda", seed=1)
+    step = [t[:, :, 0] for t in (q, k, v, g, beta)]
+    monkeypatch.setenv(BACKEND_ENV, "torch")
+    ref_out, ref_final = kda_decode(*step, state)
+    monkeypatch.setenv(BACKEND_ENV, "fla")
+    out, final = kda_decode(*step, state)
+    assert final.dtype == torch.float32
+    torch.testing.assert_close(out.float(), ref_out, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(final, ref_final, rtol=2e-2, atol=2e-3)
+
