@@ -14,6 +14,8 @@ from torch import nn
 
 from splitserve.engine.model.layers import GatedMLP
 from splitserve.engine.model_config import KimiLinearModelConfig
+from splitserve.engine.ops.fused_moe import fused_moe, triton_available
+from splitserve.engine.ops.moe_reference import moe_experts_torch
 
 
 class TopKRouter(nn.Module):
@@ -48,7 +50,10 @@ class TopKRouter(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts as stacked weights: `w13` [E, 2I, H] (gate; up) and `w2` [E, H, I]."""
+    """Routed experts as stacked weights: `w13` [E, 2I, H] (gate; up) and `w2` [E, H, I].
+
+    On CUDA with triton installed the fused Triton kernel runs; elsewhere the torch reference.
+    """
 
     def __init__(self, config: KimiLinearModelConfig) -> None:
         super().__init__()
@@ -57,22 +62,9 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.zeros(e, h, i))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        flat_ids = expert_ids.reshape(-1)
-        order = flat_ids.argsort(stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.w13.shape[0]).tolist()
-        token_of = order // expert_ids.shape[1]
-        weight_of = weights.reshape(-1)[order]
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = token_of[start : start + count]
-            gate, up = F.linear(x[rows], self.w13[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[expert]) * weight_of[start : start + count, None]
-            out.index_add_(0, rows, y.to(out.dtype))
-            start += count
-        return out
+        if x.is_cuda and triton_available():
+            return fused_moe(x, self.w13, self.w2, weights, expert_ids)
+        return moe_experts_torch(x, self.w13, self.w2, weights, expert_ids)
 
 
 class SparseMoE(nn.Module):

@@ -1,0 +1,189 @@
+"""Fused MoE in Triton: the CUDA path of the routed experts (torch reference: ops/moe_reference.py).
+
+The (token, choice) pairs are sorted by expert on the device, each expert's run padded to a
+multiple of `BLOCK_M`, so every block of rows belongs to one expert. One grouped-GEMM kernel
+then runs twice: `silu(x w1) * (x w3)` into an [P, I] buffer (gate and up tiles in the same
+program), then `h w2` times the routing weight into [P, H]; a token's `k` rows are summed last.
+The launch grid is sized from the upper bound on padded rows, so nothing waits for the host
+(blocks past the end exit at once) and the whole call can be captured in a CUDA graph.
+
+`triton` is imported only when a kernel is first used: a node without it runs the torch path.
+Set `TRITON_INTERPRET=1` before the first import to run the kernel on CPU tensors (tests).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether triton imports here (CUDA builds of torch bring it; `splitserve[engine]` on Linux)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def align_by_expert(
+    expert_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pair ids sorted by expert, each expert's run padded to `block_m`, and each block's expert.
+
+    Returns `sorted_pairs` [num_blocks * block_m] (pair `p = t * k + j`; padding holds `P`,
+    the number of pairs) and `block_expert` [num_blocks] (-1 for blocks past the last run).
+    `num_blocks` depends only on the shapes, never on the routing.
+    """
+    flat = expert_ids.reshape(-1)
+    num_pairs, dev = flat.numel(), flat.device
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    run_ends = padded.cumsum(0)
+    order = flat.argsort(stable=True)
+    sorted_experts = flat[order]
+    rank = torch.arange(num_pairs, device=dev) - (counts.cumsum(0) - counts)[sorted_experts]
+    num_blocks = -(-(num_pairs + num_experts * (block_m - 1)) // block_m)
+    sorted_pairs = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.long, device=dev)
+    sorted_pairs[(run_ends - padded)[sorted_experts] + rank] = order
+    block_starts = torch.arange(num_blocks, device=dev) * block_m
+    block_expert = torch.searchsorted(run_ends, block_starts, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1)
+    return sorted_pairs, block_expert
+
+
+def fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
+) -> torch.Tensor:
+    """Same contract as `moe_experts_torch`: x [T, H], w13 [E, 2I, H], w2 [E, H, I] -> [T, H]."""
+    num_tokens, top_k = expert_ids.shape
+    num_experts, two_i, hidden = w13.shape
+    inter = two_i // 2
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return torch.zeros_like(x)
+    block_m = 16 if num_pairs <= 16 * num_experts else 64
+    sorted_pairs, block_expert = align_by_expert(expert_ids, num_experts, block_m)
+    x = x.contiguous()
+    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    _launch(x, w13, h, sorted_pairs, block_expert, num_pairs, inter, hidden, top_k, block_m, None)
+    per_choice = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    flat_weights = weights.reshape(-1).float().contiguous()
+    _launch(h, w2, per_choice, sorted_pairs, block_expert, num_pairs, hidden, inter, 1, block_m, flat_weights)
+    return per_choice.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+
+
+def _launch(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    sorted_pairs: torch.Tensor,
+    block_expert: torch.Tensor,
+    num_pairs: int,
+    n: int,
+    k: int,
+    rows_per_a: int,
+    block_m: int,
+    pair_weights: torch.Tensor | None,
+) -> None:
+    """`out[p] = f(a[p // rows_per_a] @ w[e(p)].T)`; gated (w holds gate; up) when no weights given."""
+    import triton
+
+    kernel = _kernel()
+    block_n, block_k = 64, 64
+    grid = (block_expert.numel(), triton.cdiv(n, block_n))
+    gated = pair_weights is None
+    kernel[grid](
+        a,
+        w,
+        out,
+        sorted_pairs,
+        block_expert,
+        out if pair_weights is None else pair_weights,
+        num_pairs,
+        n,
+        k,
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        w.stride(2),
+        out.stride(0),
+        ROWS_PER_A=rows_per_a,
+        GATED=gated,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=4,
+    )
+
+
+@functools.cache
+def _kernel() -> Callable[..., Any]:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def grouped_gemm(
+        a_ptr,
+        w_ptr,
+        out_ptr,
+        sorted_pairs_ptr,
+        block_expert_ptr,
+        pair_weights_ptr,
+        num_pairs,
+        n,
+        k,
+        stride_a,
+        stride_we,
+        stride_wn,
+        stride_wk,
+        stride_out,
+        ROWS_PER_A: tl.constexpr,
+        GATED: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        expert = tl.load(block_expert_ptr + tl.program_id(0))
+        if expert >= 0:
+            offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+            pairs = tl.load(sorted_pairs_ptr + offs_m)
+            row_ok = pairs < num_pairs
+            a_rows = pairs // ROWS_PER_A
+            offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_ok = offs_n < n
+            offs_k = tl.arange(0, BLOCK_K)
+            w_base = w_ptr + expert.to(tl.int64) * stride_we
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, k, BLOCK_K):
+                k_ok = (k0 + offs_k) < k
+                a = tl.load(
+                    a_ptr + a_rows[:, None] * stride_a + (k0 + offs_k)[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
+                w_offs = offs_n[None, :] * stride_wn + (k0 + offs_k)[:, None] * stride_wk
+                w_mask = k_ok[:, None] & col_ok[None, :]
+                w_tile = tl.load(w_base + w_offs, mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+                acc = tl.dot(a, w_tile, acc, input_precision=DOT_PRECISION)
+                if GATED:
+                    up_tile = tl.load(w_base + n * stride_wn + w_offs, mask=w_mask, other=0.0)
+                    acc_up = tl.dot(a, up_tile, acc_up, input_precision=DOT_PRECISION)
+            if GATED:
+                acc = acc * tl.sigmoid(acc) * acc_up
+            else:
+                acc = acc * tl.load(pair_weights_ptr + pairs, mask=row_ok, other=0.0)[:, None]
+            tl.store(
+                out_ptr + pairs[:, None] * stride_out + offs_n[None, :],
+                acc.to(out_ptr.dtype.element_ty),
+                mask=row_ok[:, None] & col_ok[None, :],
+            )
+
+    return grouped_gemm
