@@ -2,8 +2,11 @@
 
 Writers and readers on the store's node `mmap` a region's file by name, so a piece of state is
 copied once (into the region) and read in place. A region is its own file, so the kernel does
-the allocating, and freeing is an unlink: a reader that still maps a freed region keeps its
-pages until it drops the mapping, and nothing is ever reused under it.
+the allocating. A freed region is kept, up to `pool_bytes`, for the next allocation of about its
+size: fresh tmpfs pages cost a zeroing pass and a fault per 4 KiB, more than the copy itself,
+and clients keep their mappings of a region's name. So a region's readers must be done with
+their views when its key is released or expires (the decode releases a key after its scatter);
+beyond the pool a freed region is unlinked, and a mapping others hold stays valid.
 
 The directory is claimed like a disk tier's (`tier_directory`): the store holds a flock on its
 `.owner` file while it lives, and a store starting on the same root deletes every sibling
@@ -26,6 +29,7 @@ from splitserve.state.errors import StoreFullError
 from state_store.tier_directory import ClaimedDirectory, reclaim_abandoned
 
 DEFAULT_ROOT = "/dev/shm/splitserve-arenas"
+DEFAULT_POOL_BYTES = 1 << 30  # freed regions kept mapped for reuse, beyond what the store holds
 PROBE_NAME = ".probe"
 
 
@@ -44,29 +48,40 @@ class Arena:
     Thread-safe. Capacity is not counted here: the store counts regions against its memory tier.
     """
 
-    def __init__(self, root: str | os.PathLike[str] = DEFAULT_ROOT) -> None:
+    def __init__(
+        self, root: str | os.PathLike[str] = DEFAULT_ROOT, pool_bytes: int = DEFAULT_POOL_BYTES
+    ) -> None:
         self.reclaimed_bytes = reclaim_abandoned(root)
         self._claim = ClaimedDirectory(root)
         self.directory = self._claim.path
         self.probe_token = secrets.token_bytes(16)
         (self.directory / PROBE_NAME).write_bytes(self.probe_token)
+        self.pool_bytes = pool_bytes
         self._names = itertools.count()
         self._lock = threading.Lock()
+        self._pool: list[Region] = []  # freed regions kept for reuse (their pages are resident)
+        self._pooled_bytes = 0
 
     @classmethod
-    def open_default(cls, root: str | None) -> Arena | None:
+    def open_default(cls, root: str | None, pool_bytes: int = DEFAULT_POOL_BYTES) -> Arena | None:
         """An arena under `root`, or None when `root` is None or its filesystem is missing."""
         if root is None or not Path(root).parent.is_dir():
             return None
-        return cls(root)
+        return cls(root, pool_bytes)
 
     def allocate(self, num_bytes: int) -> Region:
-        """A fresh zero-filled region of `num_bytes`, mapped read-write by the store.
-
-        Raises `StoreFullError` if the arena's filesystem has no room for it."""
+        """A region of `num_bytes` (up to twice that if a freed one is reused; its `num_bytes`
+        says), mapped read-write by the store. A new one is zero-filled, a reused one holds old
+        bytes. Raises `StoreFullError` if the arena's filesystem has no room for it."""
         if num_bytes < 0:
             raise ValueError(f"a region needs >= 0 bytes (got {num_bytes})")
         with self._lock:
+            fits = [r for r in self._pool if num_bytes <= r.num_bytes <= 2 * num_bytes]
+            if fits:  # a freed region's pages are already there: no zeroing, no faults
+                region = min(fits, key=lambda r: r.num_bytes)
+                self._pool.remove(region)
+                self._pooled_bytes -= region.num_bytes
+                return region
             name = f"{next(self._names):012d}.region"
         path = self.directory / name
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -82,8 +97,20 @@ class Arena:
         return Region(name, num_bytes, memoryview(mapped) if mapped is not None else memoryview(b""))
 
     def free(self, region: Region) -> None:
-        """Unlinks the region's file (mappings others still hold stay valid until dropped)."""
+        """Keeps the region for reuse while the pool has room, else unlinks its file (mappings
+        others still hold stay valid until dropped). Either way its key's readers must be done:
+        a reused region is written again."""
+        with self._lock:
+            if region.num_bytes and self._pooled_bytes + region.num_bytes <= self.pool_bytes:
+                self._pool.append(region)
+                self._pooled_bytes += region.num_bytes
+                return
         (self.directory / region.name).unlink(missing_ok=True)
+
+    @property
+    def pooled_bytes(self) -> int:
+        with self._lock:
+            return self._pooled_bytes
 
     def close(self) -> None:
         self._claim.release()

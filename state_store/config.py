@@ -19,6 +19,7 @@ class StoreConfig:
     num_tombstones: int = 65536  # gone keys remembered, so a late read says why it failed
     # Shared-memory arena for writers and readers on this node (None: bytes over gRPC only).
     arena_root: str | None = "/dev/shm/splitserve-arenas"
+    arena_pool_bytes: int = 1 << 30  # freed regions kept for reuse (resident RAM beyond memory_bytes)
 
     def __post_init__(self) -> None:
         if self.memory_bytes < 0 or self.disk_bytes < 0:

@@ -87,7 +87,7 @@ class StateStore:
             max_chunk_bytes=config.max_chunk_bytes,
             clock=clock,
             num_tombstones=config.num_tombstones,
-            arena=Arena.open_default(config.arena_root),
+            arena=Arena.open_default(config.arena_root, config.arena_pool_bytes),
         )
 
     # ---- writes ---------------------------------------------------------------------------

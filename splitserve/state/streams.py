@@ -214,15 +214,12 @@ class ChunkStream:
         self.cancelled = False
 
     def __iter__(self) -> Iterator[Chunk]:
-        mapped: dict[str, memoryview] = {}  # region name -> this stream's one mapping of it
         try:
             for msg in self._call:  # type: ignore[attr-defined]
                 if msg.region and self._arena is not None:
-                    if msg.region not in mapped:
-                        mapped[msg.region] = self._arena.map(msg.region)
                     meta = meta_from_proto(msg)
                     start = msg.region_offset
-                    chunk = Chunk(meta, mapped[msg.region][start : start + meta.num_bytes])
+                    chunk = Chunk(meta, self._arena.map(msg.region)[start : start + meta.num_bytes])
                 else:
                     chunk = chunk_from_proto(msg)
                 checksum.verify(chunk.data, chunk.meta.checksum, f"{chunk.meta.describe()} as received")

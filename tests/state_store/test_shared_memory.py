@@ -29,7 +29,7 @@ def arena_root(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def shm_server(arena_root: Path) -> Iterator[StateStoreServer]:
-    store = StateStore(MemoryTier(64 << 20), arena=Arena(arena_root))
+    store = StateStore(MemoryTier(64 << 20), arena=Arena(arena_root, pool_bytes=0))  # freed = unlinked
     served = StateStoreServer(store)
     yield served
     served.stop(grace_s=0)
@@ -102,6 +102,25 @@ def test_a_dead_writers_regions_go_with_its_lease(shm_server: StateStoreServer) 
         while store.lookup("req") is not None:  # the real monotonic clock runs the lease out
             store.expire()
         assert not list(store.arena.directory.glob("*.region"))  # type: ignore[union-attr]
+
+
+def test_freed_regions_are_reused_within_the_pool(arena_root: Path) -> None:
+    store = StateStore(MemoryTier(64 << 20), arena=Arena(arena_root, pool_bytes=1 << 20))
+    arena = store.arena
+    assert arena is not None
+    try:
+        first = store.allocate("a", owner="w", num_bytes=4096)
+        store.release("a")
+        assert arena.pooled_bytes == 4096 and (arena.directory / first).exists()
+        assert store.allocate("b", owner="w", num_bytes=3000) == first  # within 2x: reused, no new file
+        assert arena.pooled_bytes == 0 and store.stats().tiers[0].num_bytes == 4096
+        assert store.allocate("c", owner="w", num_bytes=1000) != first  # 4x too big for it: a new one
+        store.allocate("d", owner="w", num_bytes=2 << 20)
+        store.release("d")
+        assert arena.pooled_bytes == 0  # over the pool: unlinked
+    finally:
+        store.close()
+    assert not arena.directory.exists()
 
 
 def _hold_an_arena(root: str, ready: multiprocessing.synchronize.Event) -> None:
