@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from splitserve.state.chunk import MAX_CHUNK_BYTES, Chunk, ChunkMeta, make_chunks
+from splitserve.state.chunk import MAX_CHUNK_BYTES, Chunk, ChunkMeta, cut
 from splitserve.state.errors import StateStoreError, StateTimeoutError
 from splitserve.state.status import abort_with_error_async
 from splitserve.state.wire import (
@@ -118,16 +118,7 @@ class StateStoreServicer(store_pb2_grpc.StateStoreServicer):
 
     def _cut(self, meta: ChunkMeta) -> list[Chunk]:
         """A region piece's verified bytes as chunks of one message each (checksummed anew)."""
-        return make_chunks(
-            meta.key,
-            meta.layer,
-            meta.kind,
-            self.store.read(meta),
-            dtype=meta.dtype,
-            shape=meta.shape,
-            token_start=meta.token_start,
-            token_end=meta.token_end,
-        )
+        return cut(meta, self.store.read(meta))
 
     @staticmethod
     async def _wait(changed: asyncio.Event, deadline: float | None, key: str, position: int) -> None:
@@ -186,7 +177,9 @@ class StateStoreServicer(store_pb2_grpc.StateStoreServicer):
     ) -> store_pb2.StoreStats:
         return stats_to_proto(self.store.stats())
 
-    async def Arena(self, request: store_pb2.ArenaRequest, context: grpc.aio.ServicerContext) -> store_pb2.ArenaInfo:
+    async def Arena(
+        self, request: store_pb2.ArenaRequest, context: grpc.aio.ServicerContext
+    ) -> store_pb2.ArenaInfo:
         arena = self.store.arena
         if arena is None:
             return store_pb2.ArenaInfo()

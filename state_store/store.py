@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 
 from splitserve.state import checksum
-from splitserve.state.chunk import MAX_CHUNK_BYTES, Chunk, ChunkMeta
+from splitserve.state.chunk import MAX_CHUNK_BYTES, Chunk, ChunkMeta, can_cut
 from splitserve.state.errors import (
     CorruptStateError,
     InvalidChunkError,
@@ -156,9 +156,13 @@ class StateStore:
                 self._expire_locked()
                 entry = self._writable_locked(key, owner, lease_s)
                 try:
-                    lost = self._tiers.put(RegionId(key, region.name), region.view, pin=True, memory_only=True)
+                    lost = self._tiers.put(
+                        RegionId(key, region.name), region.view, pin=True, memory_only=True
+                    )
                 except StoreFullError as e:
-                    raise StoreFullError(f"cannot hold a {num_bytes}-byte region of key {key!r}: {e}") from None
+                    raise StoreFullError(
+                        f"cannot hold a {num_bytes}-byte region of key {key!r}: {e}"
+                    ) from None
                 entry.regions[region.name] = region
                 for lost_key, why in lost:
                     self._evict_locked(lost_key, why)
@@ -181,12 +185,13 @@ class StateStore:
 
         Like `put`, but no byte moves and none is checked here: the reader verifies the checksum
         before it uses a byte (one pass per hop). A region's chunk may be a whole piece of any
-        size if it is its object's only chunk (a reader of bytes gets it cut up by the servicer).
+        size if it can be cut for a reader of bytes (`can_cut`; the servicer cuts it).
         """
-        if meta.num_bytes > self.max_chunk_bytes and meta.num_chunks != 1:
+        if meta.num_bytes > self.max_chunk_bytes and not can_cut(meta):
             raise InvalidChunkError(
                 f"{meta.describe()} is {meta.num_bytes} bytes, over the store's {self.max_chunk_bytes}, "
-                "and not its object's only chunk; commit a region's piece as one chunk"
+                "and neither its object's only chunk nor MLA rows numbered by token; commit a region's "
+                "piece as one chunk"
             )
         with self._lock:
             if self._closed:
@@ -261,7 +266,6 @@ class StateStore:
                         del self._watchers[key]
 
         return unwatch
-
 
     def get(
         self,

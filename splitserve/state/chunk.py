@@ -8,6 +8,7 @@ the only chunker (the engine's state_codec hands it a tensor's bytes).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections.abc import Sequence
@@ -156,6 +157,50 @@ def chunk_layout(
         chunk_shape = (end - row, *shape[1:]) if shape else shape
         spans.append(ChunkSpan(row * row_bytes, end * row_bytes, chunk_shape, *tokens))
     return spans
+
+
+def number_by_token(meta: ChunkMeta, num_tokens: int) -> ChunkMeta:
+    """`meta` renumbered for an MLA layer written in several pieces (one per prefill chunk):
+    chunk_index is its first token and num_chunks the prompt's `num_tokens`, so ids stay unique
+    per (key, layer, kind) however the prompt was cut, and sort in row order."""
+    return dataclasses.replace(meta, chunk_index=meta.token_start, num_chunks=num_tokens)
+
+
+def _numbered_by_token(meta: ChunkMeta) -> bool:
+    return (
+        meta.kind is StateKind.MLA_KV
+        and meta.num_chunks > 1
+        and meta.chunk_index == meta.token_start
+        and meta.num_chunks >= meta.token_end
+    )
+
+
+def can_cut(meta: ChunkMeta) -> bool:
+    """Whether a chunk may be cut into smaller ones and keep its object's numbering: it is the
+    object's only chunk (cut: 0..n-1 of n), or MLA rows numbered by token (cut: by token)."""
+    return meta.num_chunks == 1 or _numbered_by_token(meta)
+
+
+def cut(
+    meta: ChunkMeta, data: bytes | bytearray | memoryview, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> list[Chunk]:
+    """A `can_cut` chunk (its bytes verified) as checksummed chunks of at most `max_chunk_bytes`."""
+    if not can_cut(meta):
+        raise InvalidChunkError(f"{meta.describe()} cannot be cut: it is one of several chunks")
+    chunks = make_chunks(
+        meta.key,
+        meta.layer,
+        meta.kind,
+        data,
+        dtype=meta.dtype,
+        shape=meta.shape,
+        token_start=meta.token_start,
+        token_end=meta.token_end,
+        max_chunk_bytes=max_chunk_bytes,
+    )
+    if not _numbered_by_token(meta):
+        return chunks
+    return [Chunk(number_by_token(c.meta, meta.num_chunks), c.data) for c in chunks]
 
 
 def make_chunks(

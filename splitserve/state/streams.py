@@ -15,7 +15,15 @@ from dataclasses import dataclass
 import grpc
 
 from splitserve.state import checksum
-from splitserve.state.chunk import DEFAULT_CHUNK_BYTES, Chunk, ChunkMeta, StateKind, chunk_layout, make_chunks
+from splitserve.state.chunk import (
+    DEFAULT_CHUNK_BYTES,
+    Chunk,
+    ChunkMeta,
+    StateKind,
+    chunk_layout,
+    make_chunks,
+    number_by_token,
+)
 from splitserve.state.errors import StateTimeoutError
 from splitserve.state.shm import LocalArena, SlabWriter
 from splitserve.state.status import error_from_rpc
@@ -38,6 +46,7 @@ class StatePiece:
     token_start: int
     token_end: int
     max_chunk_bytes: int
+    num_tokens: int | None  # MLA pieces of a layer numbered by token (`number_by_token`)
 
 
 _END = None  # queued last: the sending thread stops reading the queue
@@ -92,16 +101,27 @@ class PutStream:
         token_start: int,
         token_end: int,
         max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        num_tokens: int | None = None,
     ) -> None:
         """Queues one tensor's bytes (any C-contiguous buffer, e.g. a CPU tensor's memory) as
         `key`'s state of (layer, kind); returns at once. On the sending thread it is copied once
         into an arena region and committed in chunks of `max_chunk_bytes`, or cut into chunks and
         sent as bytes when the store is not on this node. `data` must not change until `finish`
-        returns (nothing copies it before the sending thread does)."""
+        returns (nothing copies it before the sending thread does). An MLA layer written in
+        several pieces (one per prefill chunk) passes the prompt's `num_tokens`: its chunks are
+        then numbered by token (`number_by_token`), as the engine's state codec numbers them."""
         if not self._closed.is_set():
             shape = tuple(int(d) for d in shape)
             piece = StatePiece(
-                layer, StateKind(kind), data, dtype, shape, token_start, token_end, max_chunk_bytes
+                layer,
+                StateKind(kind),
+                data,
+                dtype,
+                shape,
+                token_start,
+                token_end,
+                max_chunk_bytes,
+                num_tokens,
             )
             self._queue.put(piece)
 
@@ -166,7 +186,10 @@ class PutStream:
                 token_end=piece.token_end,
                 max_chunk_bytes=piece.max_chunk_bytes,
             ):
-                yield chunk_to_proto(chunk, owner=self.owner, lease_s=self.lease_s)
+                meta = (
+                    chunk.meta if piece.num_tokens is None else number_by_token(chunk.meta, piece.num_tokens)
+                )
+                yield chunk_to_proto(Chunk(meta, chunk.data), owner=self.owner, lease_s=self.lease_s)
             return
         chunk_layout(  # raises what make_chunks would for bytes, shape and tokens that disagree
             piece.kind,
@@ -190,6 +213,8 @@ class PutStream:
             piece.token_end,
             checksum.compute(target),
         )
+        if piece.num_tokens is not None:
+            meta = number_by_token(meta, piece.num_tokens)
         target.release()
         yield chunk_to_proto(
             meta, owner=self.owner, lease_s=self.lease_s, region=region, region_offset=offset

@@ -40,7 +40,13 @@ def _write_layers(client: StateStoreClient, key: str, layers: list[np.ndarray], 
     put = client.open_put(key, owner="prefill", **kwargs)  # type: ignore[arg-type]
     for layer, rows in enumerate(layers):
         put.write_state(
-            layer, StateKind.KDA_RECURRENT, rows.data, dtype="float32", shape=rows.shape, token_start=0, token_end=9
+            layer,
+            StateKind.KDA_RECURRENT,
+            rows.data,
+            dtype="float32",
+            shape=rows.shape,
+            token_start=0,
+            token_end=9,
         )
     put.finish(timeout_s=WAIT_S)
 
@@ -152,3 +158,45 @@ def test_the_next_store_reclaims_a_killed_stores_arena(arena_root: Path) -> None
         if child.is_alive():
             child.kill()
             child.join(WAIT_S)
+
+
+def test_pieces_over_a_message_are_cut_for_readers_of_bytes(shm_server: StateStoreServer) -> None:
+    """MLA pieces numbered by token (two prefill chunks of one layer) and a KDA state, each over
+    3 MiB: one view each over shared memory; cut to 1 MiB messages, numbering kept, as bytes."""
+    rows = np.random.default_rng(0).standard_normal((2048, 1024)).astype(np.float32)  # 8 MiB
+    kda = np.random.default_rng(1).standard_normal((32, 32768)).astype(np.float32)  # 4 MiB
+    with StateStoreClient(shm_server.address, timeout_s=WAIT_S) as client:
+        put = client.open_put("req", owner="prefill")
+        for start, end in ((0, 1024), (1024, 2048)):
+            piece = rows[start:end]
+            put.write_state(
+                0,
+                StateKind.MLA_KV,
+                piece.data,
+                dtype="float32",
+                shape=piece.shape,
+                token_start=start,
+                token_end=end,
+                num_tokens=2048,
+            )
+        put.write_state(
+            1,
+            StateKind.KDA_RECURRENT,
+            kda.data,
+            dtype="float32",
+            shape=kda.shape,
+            token_start=0,
+            token_end=2048,
+        )
+        put.finish(timeout_s=WAIT_S)
+        views = list(client.get("req", timeout_s=WAIT_S))
+        assert [(c.meta.chunk_index, c.meta.num_chunks) for c in views] == [(0, 2048), (1024, 2048), (0, 1)]
+        assert all(isinstance(c.data, memoryview) for c in views)
+        cut = list(client.get("req", timeout_s=WAIT_S, shared_memory=False))
+        mla = [c for c in cut if c.meta.kind is StateKind.MLA_KV]
+        assert [c.meta.chunk_index for c in mla] == list(range(0, 2048, 256))  # by token, 1 MiB each
+        assert {c.meta.num_chunks for c in mla} == {2048}
+        assert np.array_equal(np.concatenate([np.frombuffer(c.data, np.float32) for c in mla]), rows.ravel())
+        recurrent = [c for c in cut if c.meta.kind is StateKind.KDA_RECURRENT]
+        assert [(c.meta.chunk_index, c.meta.num_chunks) for c in recurrent] == [(i, 4) for i in range(4)]
+        assert b"".join(bytes(c.data) for c in recurrent) == kda.tobytes()
