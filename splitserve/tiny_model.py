@@ -71,6 +71,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         "layer_types": [_KDA, _KDA, _KDA, _MLA, _KDA, _KDA, _KDA, _MLA],
         "mlp_layer_types": ["dense"] + ["sparse"] * 7,
     },
+    # Wide KDA heads on a narrow model, for the handoff-gap experiment: one request carries
+    # ~64 MiB of state (8 KDA layers x 32 heads x 256 x 256 fp32 recurrent, plus conv windows and
+    # MLA rows) while a step stays cheap on a CPU (70M parameters, mostly KDA projections; hidden size 128).
+    "handoff-64m": {
+        **_SHARED_SHAPE,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "num_hidden_layers": 10,
+        "num_attention_heads": 4,
+        "linear_num_heads": 32,
+        "linear_head_dim": 256,
+        "layer_types": [_KDA, _KDA, _KDA, _KDA, _MLA] * 2,
+        "mlp_layer_types": ["dense"] * 10,
+    },
 }
 
 # Output projections write into the residual stream; a smaller gain keeps it from growing
