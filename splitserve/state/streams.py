@@ -7,6 +7,7 @@ committed by reference; a Get hands out zero-copy views of regions, each verifie
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -15,16 +16,8 @@ from dataclasses import dataclass
 import grpc
 
 from splitserve.state import checksum
-from splitserve.state.chunk import (
-    DEFAULT_CHUNK_BYTES,
-    Chunk,
-    ChunkMeta,
-    StateKind,
-    chunk_layout,
-    make_chunks,
-    number_by_token,
-)
-from splitserve.state.errors import StateTimeoutError
+from splitserve.state.chunk import DEFAULT_CHUNK_BYTES, Chunk, ChunkMeta, StateKind, cut, number_by_token
+from splitserve.state.errors import InvalidChunkError, StateTimeoutError
 from splitserve.state.shm import LocalArena, SlabWriter
 from splitserve.state.status import error_from_rpc
 from splitserve.state.wire import chunk_from_proto, chunk_to_proto, meta_from_proto, seal_message
@@ -47,6 +40,18 @@ class StatePiece:
     token_end: int
     max_chunk_bytes: int
     num_tokens: int | None  # MLA pieces of a layer numbered by token (`number_by_token`)
+
+    def meta(self, key: str) -> ChunkMeta:
+        """The piece as one chunk of `key` (checksum still 0). Raises `InvalidChunkError` if an MLA
+        piece's rows are not its tokens."""
+        if self.kind is StateKind.MLA_KV and self.shape[:1] != (self.token_end - self.token_start,):
+            raise InvalidChunkError(
+                f"MLA KV of shape {self.shape} does not have a row per token of [{self.token_start}, {self.token_end})"
+            )
+        meta = ChunkMeta(
+            key, self.layer, self.kind, self.dtype, self.shape, self.token_start, self.token_end, 0
+        )
+        return meta if self.num_tokens is None else number_by_token(meta, self.num_tokens)
 
 
 _END = None  # queued last: the sending thread stops reading the queue
@@ -174,47 +179,18 @@ class PutStream:
 
     def _piece_messages(self, piece: StatePiece) -> Iterator[common_pb2.StateChunk]:
         source = memoryview(piece.data).cast("B")
+        whole = piece.meta(self.key)
+        if whole.num_bytes != source.nbytes:
+            raise InvalidChunkError(f"{source.nbytes} bytes do not hold shape {piece.shape} of {piece.dtype}")
         if self.arena is None or self._allocate is None:
-            for chunk in make_chunks(
-                self.key,
-                piece.layer,
-                piece.kind,
-                source,
-                dtype=piece.dtype,
-                shape=piece.shape,
-                token_start=piece.token_start,
-                token_end=piece.token_end,
-                max_chunk_bytes=piece.max_chunk_bytes,
-            ):
-                meta = (
-                    chunk.meta if piece.num_tokens is None else number_by_token(chunk.meta, piece.num_tokens)
-                )
-                yield chunk_to_proto(Chunk(meta, chunk.data), owner=self.owner, lease_s=self.lease_s)
+            for chunk in cut(whole, source, piece.max_chunk_bytes):  # checksums its chunks
+                yield chunk_to_proto(chunk, owner=self.owner, lease_s=self.lease_s)
             return
-        chunk_layout(  # raises what make_chunks would for bytes, shape and tokens that disagree
-            piece.kind,
-            source.nbytes,
-            dtype=piece.dtype,
-            shape=piece.shape,
-            token_start=piece.token_start,
-            token_end=piece.token_end,
-            max_chunk_bytes=1 << 62,
-        )
         if self._slabs is None:
             self._slabs = SlabWriter(self.arena, self._allocate_region, self.expected_bytes)
         region, offset, target = self._slabs.place(piece.layer, piece.kind.value, source)
-        meta = ChunkMeta(  # the whole piece is one chunk: one message in, one view out
-            self.key,
-            piece.layer,
-            piece.kind,
-            piece.dtype,
-            piece.shape,
-            piece.token_start,
-            piece.token_end,
-            checksum.compute(target),
-        )
-        if piece.num_tokens is not None:
-            meta = number_by_token(meta, piece.num_tokens)
+        # the whole piece is one chunk: one message in, one view out
+        meta = dataclasses.replace(whole, checksum=checksum.compute(target))
         target.release()
         yield chunk_to_proto(
             meta, owner=self.owner, lease_s=self.lease_s, region=region, region_offset=offset
