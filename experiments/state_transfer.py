@@ -19,6 +19,7 @@ Next to them, a memcpy of the same bytes into warm memory (numpy.copyto). Prints
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import multiprocessing
 import threading
@@ -101,7 +102,7 @@ def measure(client: StateStoreClient, mib: int, piece_mib: float, repeats: int) 
     times = [_best_s(lambda: np.copyto(out, data), repeats)]
     for scatter_to, shm in ((None, True), (out, True), (out, False)):
         out[:] = 0
-        times.append(_best_s(lambda o=scatter_to, m=shm: handoff(client, pieces, o, m), repeats, client))
+        times.append(_best_s(functools.partial(handoff, client, pieces, scatter_to, shm), repeats, client))
         assert scatter_to is None or np.array_equal(out, data)
     return [data.nbytes / t / 1e9 for t in times]
 

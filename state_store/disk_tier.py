@@ -40,7 +40,7 @@ class DiskTier(LruTier):
         with self._lock:
             return self._paths.get(oid)
 
-    def put(self, oid: Hashable, data: bytes) -> list[Evicted]:
+    def put(self, oid: Hashable, data: bytes | memoryview) -> list[Evicted]:
         with self._lock:
             victims = self._index.victims(oid, len(data))
             for victim in victims:

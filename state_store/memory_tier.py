@@ -21,9 +21,9 @@ class MemoryTier(LruTier):
 
     def __init__(self, capacity_bytes: int) -> None:
         super().__init__(capacity_bytes)
-        self._objects: dict[Hashable, bytes] = {}
+        self._objects: dict[Hashable, bytes | memoryview] = {}
 
-    def put(self, oid: Hashable, data: bytes) -> list[Evicted]:
+    def put(self, oid: Hashable, data: bytes | memoryview) -> list[Evicted]:
         if not isinstance(data, (bytes, memoryview)):  # a store's arena region comes as a memoryview
             data = bytes(data)
         with self._lock:
@@ -35,7 +35,7 @@ class MemoryTier(LruTier):
             self._index.add(oid, len(data))
             return evicted
 
-    def get(self, oid: Hashable) -> bytes | None:
+    def get(self, oid: Hashable) -> bytes | memoryview | None:
         with self._lock:
             data = self._objects.get(oid)
             if data is not None:

@@ -75,7 +75,7 @@ class StateStore:
         self._tombstones = Tombstones(num_tombstones)
         self._stats = StoreStats()
         self._closed = False
-        self._watchers: dict[str, set[Callable[[], None]]] = {}  # async readers (`watch`)
+        self._watchers: dict[str, set[Callable[[], object]]] = {}  # async readers (`watch`)
 
     @classmethod
     def from_config(cls, config: StoreConfig, *, clock: Clock = time.monotonic) -> StateStore:
@@ -251,7 +251,7 @@ class StateStore:
         with self._lock:
             return len(self._watchers)
 
-    def watch(self, key: str, callback: Callable[[], None]) -> Callable[[], None]:
+    def watch(self, key: str, callback: Callable[[], object]) -> Callable[[], None]:
         """Calls `callback` (under the store's lock: it must only schedule work) whenever `key`
         may have changed: a chunk, its seal, its end, or the store closing. Returns the unwatch."""
         with self._lock:
@@ -467,7 +467,7 @@ class StateStore:
         entry = self._entries.get(key)
         return entry is not None and entry.sealed
 
-    def _place_locked(self, entry: Entry, meta: ChunkMeta, data: bytes) -> None:
+    def _place_locked(self, entry: Entry, meta: ChunkMeta, data: bytes | memoryview) -> None:
         try:
             lost = self._tiers.put(meta.id, data, pin=entry.num_pins > 0)
         except StoreFullError as e:

@@ -14,7 +14,7 @@ class Evicted(NamedTuple):
     in hand (RAM hands them over so the store can spill them; disk has already deleted them)."""
 
     oid: Hashable
-    data: bytes | None
+    data: bytes | memoryview | None
 
 
 class Tier(ABC):
@@ -46,11 +46,11 @@ class Tier(ABC):
     def contains(self, oid: Hashable) -> bool: ...
 
     @abstractmethod
-    def put(self, oid: Hashable, data: bytes) -> list[Evicted]:
+    def put(self, oid: Hashable, data: bytes | memoryview) -> list[Evicted]:
         """Stores `data` under `oid`; returns the objects evicted to make room."""
 
     @abstractmethod
-    def get(self, oid: Hashable) -> bytes | None:
+    def get(self, oid: Hashable) -> bytes | memoryview | None:
         """The bytes under `oid` (and marks it recently used), or None if the tier lacks it."""
 
     @abstractmethod

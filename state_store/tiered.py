@@ -32,7 +32,12 @@ class TieredStorage:
         self.num_spills = 0
 
     def put(
-        self, cid: ChunkId | RegionId, data: bytes, *, pin: bool = False, memory_only: bool = False
+        self,
+        cid: ChunkId | RegionId,
+        data: bytes | memoryview,
+        *,
+        pin: bool = False,
+        memory_only: bool = False,
     ) -> list[tuple[str, str]]:
         """Stores `data`; returns (key, why) for every key that lost a chunk to make room.
 
@@ -61,13 +66,13 @@ class TieredStorage:
                 lost.extend(self._spill(oid, spilled))  # type: ignore[arg-type]
         return lost
 
-    def fetch(self, cid: ChunkId) -> bytes | None:
+    def fetch(self, cid: ChunkId) -> bytes | memoryview | None:
         data = self.memory.get(cid)
         if data is None and self.disk is not None:
             data = self.disk.get(cid)
         return data
 
-    def tier_of(self, cid: ChunkId) -> Tier:
+    def tier_of(self, cid: ChunkId | RegionId) -> Tier:
         if self.disk is not None and not self.memory.contains(cid):
             return self.disk
         return self.memory
@@ -85,7 +90,7 @@ class TieredStorage:
         if self.disk is not None:
             self.disk.close()
 
-    def _spill(self, cid: ChunkId, data: bytes) -> list[tuple[str, str]]:
+    def _spill(self, cid: ChunkId, data: bytes | memoryview) -> list[tuple[str, str]]:
         assert self.disk is not None
         try:
             dropped = self.disk.put(cid, data)

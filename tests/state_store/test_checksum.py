@@ -15,7 +15,8 @@ from state_store.store import StateStore
 from tests.state_store.conftest import make_chunk
 
 
-def flipped(data: bytes, at: int = 17) -> bytes:
+def flipped(data: bytes | memoryview, at: int = 17) -> bytes:
+    data = bytes(data)
     return data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1 :]
 
 
