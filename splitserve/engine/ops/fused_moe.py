@@ -41,7 +41,8 @@ def align_by_expert(
     """
     flat = expert_ids.reshape(-1)
     num_pairs, dev = flat.numel(), flat.device
-    counts = torch.bincount(flat, minlength=num_experts)
+    # not bincount: on CUDA it reads the largest id back to the host to size its output
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     run_ends = padded.cumsum(0)
     order = flat.argsort(stable=True)
