@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 
 from splitserve.state import checksum
-from splitserve.state.chunk import MAX_CHUNK_BYTES, Chunk, ChunkMeta, can_cut
+from splitserve.state.chunk import MAX_CHUNK_BYTES, Chunk, ChunkMeta
 from splitserve.state.errors import (
     CorruptStateError,
     InvalidChunkError,
@@ -28,12 +28,14 @@ from state_store.disk_tier import DiskTier
 from state_store.entry import Entry, Tombstones
 from state_store.leases import Clock, LeaseTable
 from state_store.memory_tier import MemoryTier
+from state_store.polled_reads import PolledReads
 from state_store.prefix_index import PrefixIndex
+from state_store.region_writes import RegionWrites
 from state_store.tier import Tier
 from state_store.tiered import RegionId, TieredStorage
 
 
-class StateStore:
+class StateStore(RegionWrites, PolledReads):
     """Owns every chunk put into it until its key is released, expires, is evicted or corrupts.
 
     Promises:
@@ -140,132 +142,7 @@ class StateStore:
             entry.cond.notify_all()
             self._notify_locked(key)
 
-    def allocate(self, key: str, *, owner: str, num_bytes: int, lease_s: float | None = None) -> str:
-        """A new arena region of `num_bytes` for `key` (created, owned by `owner`, if new); its name.
-
-        Raises `StoreFullError` if the memory tier cannot hold it beside what is pinned, and
-        `InvalidChunkError` if this store has no arena.
-        """
-        if self.arena is None:
-            raise InvalidChunkError("this state store has no shared-memory arena; put the bytes instead")
-        region = self.arena.allocate(num_bytes)  # outside the lock: reserving pages takes a while
-        try:
-            with self._lock:
-                if self._closed:
-                    raise StateReleasedError("the state store is closed")
-                self._expire_locked()
-                entry = self._writable_locked(key, owner, lease_s)
-                try:
-                    lost = self._tiers.put(
-                        RegionId(key, region.name), region.view, pin=True, memory_only=True
-                    )
-                except StoreFullError as e:
-                    raise StoreFullError(
-                        f"cannot hold a {num_bytes}-byte region of key {key!r}: {e}"
-                    ) from None
-                entry.regions[region.name] = region
-                for lost_key, why in lost:
-                    self._evict_locked(lost_key, why)
-        except BaseException:
-            self.arena.free(region)
-            raise
-        return region.name
-
-    def put_region(
-        self,
-        meta: ChunkMeta,
-        region: str,
-        offset: int,
-        *,
-        owner: str,
-        lease_s: float | None = None,
-        final: bool = False,
-    ) -> None:
-        """Commits a chunk whose bytes the writer put in `region` (of its key) at `offset`.
-
-        Like `put`, but no byte moves and none is checked here: the reader verifies the checksum
-        before it uses a byte (one pass per hop). A region's chunk may be a whole piece of any
-        size if it can be cut for a reader of bytes (`can_cut`; the servicer cuts it).
-        """
-        if meta.num_bytes > self.max_chunk_bytes and not can_cut(meta):
-            raise InvalidChunkError(
-                f"{meta.describe()} is {meta.num_bytes} bytes, over the store's {self.max_chunk_bytes}, "
-                "and neither its object's only chunk nor MLA rows numbered by token; commit a region's "
-                "piece as one chunk"
-            )
-        with self._lock:
-            if self._closed:
-                raise StateReleasedError("the state store is closed")
-            self._expire_locked()
-            entry = self._writable_locked(meta.key, owner, lease_s)
-            place = entry.regions.get(region)
-            if place is None:
-                raise InvalidChunkError(f"{meta.describe()} names region {region!r}, not one of its key's")
-            if offset < 0 or offset + meta.num_bytes > place.num_bytes:
-                raise InvalidChunkError(
-                    f"{meta.describe()} at offset {offset} overruns region {region!r} of {place.num_bytes} bytes"
-                )
-            if meta.id in entry.metas:
-                raise KeySealedError(f"{meta.describe()} was already stored; chunks are written once")
-            entry.add(meta)
-            entry.locations[meta.id] = (place, offset)
-            entry.sealed = final
-            entry.cond.notify_all()
-            self._notify_locked(meta.key)
-
     # ---- reads ----------------------------------------------------------------------------
-
-    def poll(self, key: str, position: int, *, wait_for_key: bool = False) -> ChunkMeta | None | bool:
-        """Without waiting: chunk number `position` of `key` if it is there, True if the key is
-        sealed with fewer chunks (the read is done), None if it may still come (wait for a
-        `watch` callback and poll again). Raises what `get` raises."""
-        with self._lock:
-            self._expire_locked()
-            entry = self._entries.get(key)
-            if entry is None and wait_for_key:
-                self._tombstones.raise_if_gone(key)
-                if self._closed:
-                    raise StateReleasedError(f"key {key!r} will never arrive: the store closed")
-                return None
-            entry = entry if entry is not None else self._live_locked(key)
-            if position < len(entry.order):
-                return entry.metas[entry.order[position]]
-            return True if entry.sealed else None
-
-    def read(self, meta: ChunkMeta) -> bytes | memoryview:
-        """The checksum-verified bytes of a chunk `poll` returned (a region's are a view)."""
-        with self._lock:
-            entry = self._live_locked(meta.key)
-        return self._read(entry, meta)
-
-    def location(self, meta: ChunkMeta) -> tuple[str, int] | None:
-        """(region name, offset) of a chunk committed in the arena, None if it was put as bytes."""
-        with self._lock:
-            entry = self._live_locked(meta.key)
-            place = entry.locations.get(meta.id)
-            return None if place is None else (place[0].name, place[1])
-
-    @property
-    def num_watched_keys(self) -> int:
-        """Keys some `watch` callback waits on (a gauge of outstanding async reads)."""
-        with self._lock:
-            return len(self._watchers)
-
-    def watch(self, key: str, callback: Callable[[], object]) -> Callable[[], None]:
-        """Calls `callback` (under the store's lock: it must only schedule work) whenever `key`
-        may have changed: a chunk, its seal, its end, or the store closing. Returns the unwatch."""
-        with self._lock:
-            self._watchers.setdefault(key, set()).add(callback)
-
-        def unwatch() -> None:
-            with self._lock:
-                callbacks = self._watchers.get(key)
-                if callbacks is not None:
-                    callbacks.discard(callback)
-                    if not callbacks:
-                        del self._watchers[key]
-
-        return unwatch
 
     def get(
         self,
@@ -489,10 +366,6 @@ class StateStore:
             self._drop_locked(entry, LeaseExpiredError, f"key {key!r} expired: its lease ran out unclaimed")
         self._stats.num_expiries += len(expired)
         return len(expired)
-
-    def _notify_locked(self, key: str) -> None:
-        for callback in list(self._watchers.get(key, ())):
-            callback()
 
     def _drop_locked(self, entry: Entry, cls: type[StateStoreError], why: str) -> int:
         for cid in entry.order:

@@ -1,0 +1,109 @@
+"""The arena half of the store's writes: regions allocated to keys, chunks committed in them.
+
+A mixin of `StateStore` (state_store/store.py), kept apart so each file holds one concept; it
+uses the store's lock, entries and tiers under the store's rules (the *_locked helpers).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from splitserve.state.chunk import ChunkMeta, can_cut
+from splitserve.state.errors import InvalidChunkError, KeySealedError, StateReleasedError, StoreFullError
+from state_store.tiered import RegionId
+
+if TYPE_CHECKING:
+    from state_store.arena import Arena
+    from state_store.entry import Entry
+    from state_store.tiered import TieredStorage
+
+
+class RegionWrites:
+    """`allocate` and `put_region`: a writer on the node fills an arena region, then commits the
+    chunks in it; no byte passes through the store."""
+
+    if TYPE_CHECKING:
+        arena: Arena | None
+        max_chunk_bytes: int
+        _lock: threading.Lock
+        _closed: bool
+        _tiers: TieredStorage
+
+        def _expire_locked(self) -> int: ...
+        def _writable_locked(self, key: str, owner: str, lease_s: float | None) -> Entry: ...
+        def _evict_locked(self, key: str, why: str) -> None: ...
+        def _notify_locked(self, key: str) -> None: ...
+
+    def allocate(self, key: str, *, owner: str, num_bytes: int, lease_s: float | None = None) -> str:
+        """A new arena region of `num_bytes` for `key` (created, owned by `owner`, if new); its name.
+
+        Raises `StoreFullError` if the memory tier cannot hold it beside what is pinned, and
+        `InvalidChunkError` if this store has no arena.
+        """
+        if self.arena is None:
+            raise InvalidChunkError("this state store has no shared-memory arena; put the bytes instead")
+        region = self.arena.allocate(num_bytes)  # outside the lock: reserving pages takes a while
+        try:
+            with self._lock:
+                if self._closed:
+                    raise StateReleasedError("the state store is closed")
+                self._expire_locked()
+                entry = self._writable_locked(key, owner, lease_s)
+                try:
+                    lost = self._tiers.put(
+                        RegionId(key, region.name), region.view, pin=True, memory_only=True
+                    )
+                except StoreFullError as e:
+                    raise StoreFullError(
+                        f"cannot hold a {num_bytes}-byte region of key {key!r}: {e}"
+                    ) from None
+                entry.regions[region.name] = region
+                for lost_key, why in lost:
+                    self._evict_locked(lost_key, why)
+        except BaseException:
+            self.arena.free(region)
+            raise
+        return region.name
+
+    def put_region(
+        self,
+        meta: ChunkMeta,
+        region: str,
+        offset: int,
+        *,
+        owner: str,
+        lease_s: float | None = None,
+        final: bool = False,
+    ) -> None:
+        """Commits a chunk whose bytes the writer put in `region` (of its key) at `offset`.
+
+        Like `put`, but no byte moves and none is checked here: the reader verifies the checksum
+        before it uses a byte (one pass per hop). A region's chunk may be a whole piece of any
+        size if it can be cut for a reader of bytes (`can_cut`; the servicer cuts it).
+        """
+        if meta.num_bytes > self.max_chunk_bytes and not can_cut(meta):
+            raise InvalidChunkError(
+                f"{meta.describe()} is {meta.num_bytes} bytes, over the store's {self.max_chunk_bytes}, "
+                "and neither its object's only chunk nor MLA rows numbered by token; commit a region's "
+                "piece as one chunk"
+            )
+        with self._lock:
+            if self._closed:
+                raise StateReleasedError("the state store is closed")
+            self._expire_locked()
+            entry = self._writable_locked(meta.key, owner, lease_s)
+            place = entry.regions.get(region)
+            if place is None:
+                raise InvalidChunkError(f"{meta.describe()} names region {region!r}, not one of its key's")
+            if offset < 0 or offset + meta.num_bytes > place.num_bytes:
+                raise InvalidChunkError(
+                    f"{meta.describe()} at offset {offset} overruns region {region!r} of {place.num_bytes} bytes"
+                )
+            if meta.id in entry.metas:
+                raise KeySealedError(f"{meta.describe()} was already stored; chunks are written once")
+            entry.add(meta)
+            entry.locations[meta.id] = (place, offset)
+            entry.sealed = final
+            entry.cond.notify_all()
+            self._notify_locked(meta.key)
