@@ -39,7 +39,7 @@ class StateStore(RegionWrites, PolledReads):
     """Owns every chunk put into it until its key is released, expires, is evicted or corrupts.
 
     Promises:
-    * A read returns exactly the bytes written (crc32 checked on put and on every read) or
+    * A read returns exactly the bytes written (checksum checked on put and on every read) or
       raises: `CorruptStateError` on a mismatch, a `StateUnavailableError` subclass saying why a
       key is not there (never stored, lease expired, evicted, released). A key loses all of its
       chunks at once, so no partial state is ever served.
