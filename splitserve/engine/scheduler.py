@@ -97,7 +97,12 @@ class Scheduler:
         return SchedulerOutput(scheduled, preempted)
 
     def reserve(self, request: Request, num_tokens: int) -> bool:
-        """Hold a state slot and KV blocks for `num_tokens` tokens whose state comes from elsewhere."""
+        """Hold a state slot and KV blocks for `num_tokens` tokens whose state comes from elsewhere.
+
+        A reserved request is in neither `waiting` nor `running`: no step schedules, reads or
+        preempts it, so its blocks and slot are private to whoever fills them (another thread,
+        see engine/transfer_sink.py) until `admit_reserved` or `finish` hands them on.
+        """
         if self.num_seqs >= self.config.max_num_seqs or self.slots.num_free_slots == 0:
             return False
         if not self.reserve_blocks(request, num_tokens):

@@ -177,3 +177,32 @@ def test_reservations_count_against_max_num_seqs(tiny_model_path):
     assert decode.reserve_transfer("a", 2)
     assert decode.reserve_transfer("b", 2)
     assert not decode.reserve_transfer("c", 2)
+
+
+def test_a_reserved_room_is_untouched_by_steps_and_preemptions_around_it(tiny_model_path):
+    """Steps that run, grow and preempt other requests never read, write or take the reserved
+    blocks and slot (which is what lets another thread fill them while the engine steps)."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = PROMPTS[1]
+    prefill = _engine(tiny_model_path)
+    states: list[LayerState] = []
+    first = prefill.add_request("r", prompt, params, export=states.append)
+    _run_until_done(prefill)
+    block_bytes = 16 * 2 * 48 * 4  # block_size x MLA layers x (rank + rope) x fp32
+    slot_bytes = 4 * (192 * 3 + 4 * 16 * 16) * 4  # KDA layers x (conv window + recurrent) x fp32
+    decode = _engine(tiny_model_path, max_num_seqs=4, kv_cache_memory_bytes=4 * slot_bytes + 40 * block_bytes)
+    assert decode.plan.num_blocks == 40
+    assert decode.reserve_transfer("r", len(prompt))
+    for state in states:
+        decode.write_transferred_state("r", state)
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    for i in range(3):
+        decode.add_request(f"other{i}", list(range(10 + i, 110 + i)), long)
+    _run_until_done(decode)
+    assert decode.scheduler.num_preemptions > 0
+    request = decode.admit_transferred("r", prompt, params, first.output_token_ids[0])
+    _run_until_done(decode)
+    reference = LLM(model=str(tiny_model_path), max_model_len=512).generate(
+        prompt_token_ids=[prompt], sampling_params=[params]
+    )
+    assert request.output_token_ids == reference[0].outputs[0].token_ids
