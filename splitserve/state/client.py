@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import TypeVar
 
@@ -11,7 +12,7 @@ from splitserve import rpc
 from splitserve.state.chunk import Chunk, StateKind
 from splitserve.state.errors import StateUnavailableError
 from splitserve.state.records import KeyInfo, ReleaseResult, StoreStats
-from splitserve.state.shm import LocalArena
+from splitserve.state.shm import LocalArena, first_region_bytes
 from splitserve.state.status import error_from_rpc
 from splitserve.state.streams import ChunkStream, PutStream
 from splitserve.state.wire import (
@@ -68,16 +69,19 @@ class StateStoreClient:
         owner: str,
         lease_s: float | None = None,
     ) -> str:
-        """A fresh region of `num_bytes` in the store's arena for `key` (created if new); its name."""
-        request = store_pb2.AllocateRequest(
-            key=key,
-            owner=owner,
-            lease_s=lease_s or 0.0,
-            layer=layer,
-            kind=KIND_TO_PROTO[StateKind(kind)],
-            num_bytes=num_bytes,
-        )
+        """A fresh region of `num_bytes` in the store's arena for `key` (created if new); its name.
+        (`layer` and `kind` say what it is for; the store does not need them.)"""
+        request = self._allocate_request(key, layer, kind, num_bytes, owner, lease_s)
         return self._call(lambda: self._stub.Allocate(request, timeout=self.timeout_s)).region
+
+    @staticmethod
+    def _allocate_request(
+        key: str, layer: int, kind: StateKind | str, num_bytes: int, owner: str, lease_s: float | None
+    ) -> store_pb2.AllocateRequest:
+        kind_proto = KIND_TO_PROTO[StateKind(kind)]
+        return store_pb2.AllocateRequest(
+            key=key, owner=owner, lease_s=lease_s or 0.0, layer=layer, kind=kind_proto, num_bytes=num_bytes
+        )
 
     def put(
         self, chunks: Iterable[Chunk], *, owner: str, lease_s: float | None = None, seal: bool = False
@@ -115,8 +119,22 @@ class StateStoreClient:
         def allocate(key: str, layer: int, kind: StateKind, num_bytes: int) -> str:
             return self.allocate(key, layer, kind, num_bytes, owner=owner, lease_s=lease_s)
 
+        first_region = None
+        if arena is not None and expected_bytes:  # ask now: the round trip overlaps the first layer
+            num_bytes = first_region_bytes(expected_bytes)
+            request = self._allocate_request(key, 0, StateKind.KDA_RECURRENT, num_bytes, owner, lease_s)
+            pending = self._stub.Allocate.future(request, timeout=self.timeout_s)
+            first_region = functools.partial(self._call, lambda: pending.result().region)
+
         return PutStream(
-            self._stub, key, owner, lease_s, arena=arena, allocate=allocate, expected_bytes=expected_bytes
+            self._stub,
+            key,
+            owner,
+            lease_s,
+            arena=arena,
+            allocate=allocate,
+            expected_bytes=expected_bytes,
+            first_region=first_region,
         )
 
     def seal(self, key: str, *, owner: str) -> None:

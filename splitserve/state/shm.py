@@ -84,7 +84,13 @@ class LocalArena:
 
 MIN_SLAB_BYTES = 8 << 20  # a writer's first region, unless told the state's size or a piece is larger
 MAX_SLAB_BYTES = 256 << 20  # regions double up to this, so a big state needs few Allocate calls
-ALIGN_BYTES = 256  # every piece starts aligned, so any dtype can view it in place
+ALIGN_BYTES = 64  # every piece starts aligned (a cache line), so any dtype can view it in place
+SLACK_BYTES = 64 << 10  # room an expected size gets for alignment padding (1,024 pieces' worth)
+
+
+def first_region_bytes(expected_bytes: int) -> int:
+    """The first region of a writer that expects `expected_bytes` in all: those, plus padding."""
+    return expected_bytes + SLACK_BYTES
 
 # (layer, kind name, num_bytes) -> the name of a fresh region of the store's arena for the key
 RegionAllocator = Callable[[int, str, int], str]
@@ -95,14 +101,21 @@ class SlabWriter:
 
     Owns its current region's writable mapping. Regions start at `expected_bytes` (if the writer
     knows the state's size: then one region holds it all) or `MIN_SLAB_BYTES`, and double up to
-    `MAX_SLAB_BYTES`; a piece never straddles two. Not thread-safe (a Put's sending thread).
+    `MAX_SLAB_BYTES`; a piece never straddles two. `first_region` gives the first region of
+    `expected_bytes` if it was asked for early (`open_put` does, so the Allocate round trip
+    overlaps the prefill's first layer). Not thread-safe (a Put's sending thread).
     """
 
     def __init__(
-        self, arena: LocalArena, allocate: RegionAllocator, expected_bytes: int | None = None
+        self,
+        arena: LocalArena,
+        allocate: RegionAllocator,
+        expected_bytes: int | None = None,
+        first_region: Callable[[], str] | None = None,
     ) -> None:
         self.arena, self._allocate = arena, allocate
-        self._next_bytes = expected_bytes or MIN_SLAB_BYTES
+        self._first_region = first_region if expected_bytes else None  # one of expected_bytes, asked early
+        self._next_bytes = first_region_bytes(expected_bytes) if expected_bytes else MIN_SLAB_BYTES
         self._region = ""
         self._view = memoryview(b"")
         self._used = 0
@@ -113,9 +126,11 @@ class SlabWriter:
         offset = -(-self._used // ALIGN_BYTES) * ALIGN_BYTES
         if offset + num_bytes > self._view.nbytes:
             size = max(num_bytes, self._next_bytes)
+            early = self._first_region if size == self._next_bytes else None  # the piece fits it
+            self._first_region = None
             self._next_bytes = min(2 * size, MAX_SLAB_BYTES)
             self.close()
-            self._region = self._allocate(layer, kind, size)
+            self._region = early() if early is not None else self._allocate(layer, kind, size)
             self._view = self.arena.map(self._region, writable=True)
             offset = 0
         target = self._view[offset : offset + num_bytes]

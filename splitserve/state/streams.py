@@ -78,9 +78,11 @@ class PutStream:
         arena: LocalArena | None = None,
         allocate: Allocator | None = None,
         expected_bytes: int | None = None,
+        first_region: Callable[[], str] | None = None,
     ) -> None:
         self.key, self.owner, self.lease_s = key, owner, lease_s or 0.0
         self.expected_bytes = expected_bytes
+        self._first_region = first_region
         self._slabs: SlabWriter | None = None
         self.arena = arena if allocate is not None else None
         self._allocate = allocate
@@ -187,7 +189,9 @@ class PutStream:
                 yield chunk_to_proto(chunk, owner=self.owner, lease_s=self.lease_s)
             return
         if self._slabs is None:
-            self._slabs = SlabWriter(self.arena, self._allocate_region, self.expected_bytes)
+            self._slabs = SlabWriter(
+                self.arena, self._allocate_region, self.expected_bytes, self._first_region
+            )
         region, offset, target = self._slabs.place(piece.layer, piece.kind.value, source)
         # the whole piece is one chunk: one message in, one view out
         meta = dataclasses.replace(whole, checksum=checksum.compute(target))

@@ -200,3 +200,15 @@ def test_pieces_over_a_message_are_cut_for_readers_of_bytes(shm_server: StateSto
         recurrent = [c for c in cut if c.meta.kind is StateKind.KDA_RECURRENT]
         assert [(c.meta.chunk_index, c.meta.num_chunks) for c in recurrent] == [(i, 4) for i in range(4)]
         assert b"".join(bytes(c.data) for c in recurrent) == kda.tobytes()
+
+
+def test_expected_bytes_allocates_one_region_when_the_put_opens(shm_server: StateStoreServer) -> None:
+    arena = shm_server.store.arena
+    assert arena is not None
+    layers = [np.full(300_000, i, dtype=np.float32) for i in range(4)]  # 4.8 MB in all
+    with StateStoreClient(shm_server.address, timeout_s=WAIT_S) as client:
+        _write_layers(client, "req", layers, expected_bytes=sum(a.nbytes for a in layers))
+        (region,) = arena.directory.glob("*.region")  # asked for at open_put, holding all four
+        assert region.stat().st_size >= sum(a.nbytes for a in layers)
+        got, _ = _read_layers(client, "req")
+        assert all(np.array_equal(a, b) for a, b in zip(got, layers, strict=True))
