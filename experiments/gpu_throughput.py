@@ -205,12 +205,13 @@ def mla_group(batch: int, length: int, context: int, device: str, block_size: in
         lengths=[length] * batch,
         state_slots=torch.zeros(batch, dtype=torch.long, device=device),
         kv_index=kv_index.to(device),
-        attn_mask=torch.zeros(batch, length, 1, dtype=torch.bool, device=device),  # unread: query_pos given
         query_pos=query_pos.contiguous().to(device),
     )
 
 
-def mla_case(args: argparse.Namespace, batch: int, length: int, context: int) -> dict[str, Callable[[], object]]:
+def mla_case(
+    args: argparse.Namespace, batch: int, length: int, context: int
+) -> dict[str, Callable[[], object]]:
     from splitserve.engine.ops.paged_mla import BACKEND_ENV, paged_mla_attention
 
     heads, rank, rope = (4, 32, 16) if args.tiny else (16, 512, 64)
@@ -278,7 +279,15 @@ def kernel_rows(args: argparse.Namespace) -> list[list[str]]:
             continue
         kernel_s = timed(calls["kernel"], args.device)
         diff = (calls["kernel"]() - calls["torch"]()).abs().max().item()  # type: ignore[operator]
-        rows.append([name, f"{torch_s * 1e3:.3f}", f"{kernel_s * 1e3:.3f}", f"{torch_s / kernel_s:.1f}x", f"{diff:.2e}"])
+        rows.append(
+            [
+                name,
+                f"{torch_s * 1e3:.3f}",
+                f"{kernel_s * 1e3:.3f}",
+                f"{torch_s / kernel_s:.1f}x",
+                f"{diff:.2e}",
+            ]
+        )
     return rows
 
 
@@ -292,12 +301,18 @@ def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("--device cuda but torch sees no CUDA device: use a CUDA build of torch, or --device cpu")
+        raise SystemExit(
+            "--device cuda but torch sees no CUDA device: use a CUDA build of torch, or --device cpu"
+        )
     torch.manual_seed(0)
     bandwidth = measured_bandwidth_bytes_per_s(args.device)
     print(f"device copy bandwidth: {bandwidth / 1e9:,.0f} GB/s (read + write)")
     with contextlib.ExitStack() as stack:
-        where = Path(args.model_dir) if args.model_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        where = (
+            Path(args.model_dir)
+            if args.model_dir
+            else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        )
         path = build_checkpoint(args, where)
         engine = engine_rows(args, path, bandwidth)
     print_table(

@@ -18,10 +18,9 @@ class TokenGroup:
 
     `token_index[b, i]` is the flat position of row b's i-th new token (0 where padded);
     `valid[b, i]` marks real tokens; `kv_index[b, j]` is the KV pool row of row b's j-th context token (0 where padded);
-    `attn_mask[b, i, j]` says whether new token i of row b may attend to context token j.
     `query_pos[b, i]` is the absolute position of row b's i-th new token: it attends to context
-    tokens `0..query_pos` (causal). Paged attention kernels read it instead of `attn_mask`; when
-    the builder does not pass it, it is derived from `attn_mask` once per batch.
+    tokens `0..query_pos` (causal). No [B, Lmax, Kmax] mask exists: at long context it would be
+    the largest tensor of a step, and attention builds what it needs from `query_pos`.
     """
 
     token_index: torch.Tensor  # [B, Lmax] long
@@ -29,20 +28,7 @@ class TokenGroup:
     lengths: list[int]
     state_slots: torch.Tensor  # [B] long, KDA slot of each row
     kv_index: torch.Tensor  # [B, Kmax] long
-    attn_mask: torch.Tensor  # [B, Lmax, Kmax] bool
-    query_pos: torch.Tensor | None = None  # [B, Lmax] long
-
-    def __post_init__(self) -> None:
-        if self.query_pos is None:
-            # the mask row of token i is `j <= query_pos` over the context, so its count is query_pos + 1
-            # (capped at Kmax on padded tokens, whose outputs are never read)
-            self.query_pos = self.attn_mask.sum(dim=-1) - 1
-
-    @property
-    def positions(self) -> torch.Tensor:
-        """`query_pos`, never None once constructed."""
-        assert self.query_pos is not None
-        return self.query_pos
+    query_pos: torch.Tensor  # [B, Lmax] long
 
     @property
     def num_rows(self) -> int:

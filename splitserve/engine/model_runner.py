@@ -143,12 +143,11 @@ class ModelRunner:
         positions = torch.arange(max_ctx, dtype=torch.long)
         kv_index = tables[:, positions // bs] * bs + positions % bs
         query_pos = computed.unsqueeze(1) + steps  # absolute position of each new token
-        attn_mask = positions.view(1, 1, -1) <= query_pos.unsqueeze(-1)
         return TokenGroup(
             token_index=token_index.to(dev),
             valid=valid.to(dev),
             lengths=lengths,
             state_slots=torch.tensor([s.request.state_slot for s in rows], dtype=torch.long, device=dev),
             kv_index=kv_index.to(dev),
-            attn_mask=attn_mask.to(dev),
+            query_pos=query_pos.to(dev),
         )

@@ -7,7 +7,10 @@ import torch
 
 from splitserve import LLM, SamplingParams
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 
 def test_tiny_model_on_cuda_gives_the_cpu_tokens(tiny_model_path):

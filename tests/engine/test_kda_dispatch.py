@@ -7,7 +7,13 @@ import torch
 
 from splitserve.engine.ops import kda_dispatch
 from splitserve.engine.ops.kda import kda_chunked, kda_recurrent_step, l2norm
-from splitserve.engine.ops.kda_dispatch import BACKEND_ENV, kda_backend, kda_decode, kda_prefill
+from splitserve.engine.ops.kda_dispatch import (
+    BACKEND_ENV,
+    kda_backend,
+    kda_decode,
+    kda_decode_into,
+    kda_prefill,
+)
 
 
 def random_inputs(
@@ -39,6 +45,28 @@ def test_cpu_picks_the_torch_path(monkeypatch):
     out, final = kda_decode(*step, state)
     ref_out, ref_final = kda_recurrent_step(*step, state)
     assert torch.equal(out, ref_out) and torch.equal(final, ref_final)
+
+
+def decode_into_both(device: str, backend: str, monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, ...]:
+    """kda_decode_into on a pool of 7 slots, rows in slots 5, 0, 3; returns (output, pool after)."""
+    q, k, v, g, beta, _ = random_inputs(
+        3, 2 if device == "cpu" else 32, 1, 8 if device == "cpu" else 128, device
+    )
+    pool = random_inputs(7, q.shape[1], 1, q.shape[-1], device, seed=3)[-1]
+    slots = torch.tensor([5, 0, 3], device=device)
+    monkeypatch.setenv(BACKEND_ENV, backend)
+    step = [t[:, :, 0] for t in (q, k, v, g, beta)]
+    expected_out, expected_state = kda_recurrent_step(*step, pool[slots])
+    out = kda_decode_into(*step, pool, slots)
+    return out, pool, expected_out, expected_state, slots
+
+
+def test_decode_into_updates_only_the_rows_slots(monkeypatch):
+    before = random_inputs(7, 2, 1, 8, seed=3)[-1]
+    out, pool, expected_out, expected_state, slots = decode_into_both("cpu", "torch", monkeypatch)
+    assert torch.equal(out, expected_out) and torch.equal(pool[slots], expected_state)
+    untouched = [1, 2, 4, 6]
+    assert torch.equal(pool[untouched], before[untouched])
 
 
 def test_cuda_picks_fla_only_when_installed(monkeypatch):
@@ -99,3 +127,11 @@ def test_fla_decode_matches_torch_on_cuda(monkeypatch):
     torch.testing.assert_close(out.float(), ref_out, rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(final, ref_final, rtol=2e-2, atol=2e-3)
 
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_fla
+def test_fla_decode_into_the_pool_matches_torch_on_cuda(monkeypatch):
+    out, pool, expected_out, expected_state, slots = decode_into_both("cuda", "fla", monkeypatch)
+    torch.testing.assert_close(out.float(), expected_out, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(pool[slots], expected_state, rtol=2e-2, atol=2e-3)

@@ -62,7 +62,7 @@ def make_case(
         lengths=lengths,
         state_slots=torch.zeros(len(lengths), dtype=torch.long, device=device),
         kv_index=kv_index.to(device),
-        attn_mask=(positions.view(1, 1, -1) <= query_pos.unsqueeze(-1)).to(device),
+        query_pos=query_pos.contiguous().to(device),
     )
     return q.to(device), pool.to(device), group
 
@@ -73,7 +73,7 @@ def naive(q: torch.Tensor, pool: torch.Tensor, group: TokenGroup, rank: int, sca
     for b in range(group.num_rows):
         for i in range(group.lengths[b]):
             t = int(group.token_index[b, i])
-            keys = pool[group.kv_index[b, : int(group.positions[b, i]) + 1]].double()
+            keys = pool[group.kv_index[b, : int(group.query_pos[b, i]) + 1]].double()
             weights = torch.softmax(q[t].double() @ keys.T * scale, dim=-1)  # [H, K]
             out[t] = weights @ keys[:, :rank]
     return out
@@ -106,17 +106,22 @@ def test_torch_reference_in_query_chunks_equals_one_call():
 def interpreted_errors() -> dict[str, float]:
     """Run in a subprocess with TRITON_INTERPRET=1: the kernel's largest error against the torch
     path per case. (Triton picks interpreter or compiler when it is imported, and another test
-    in this process may have imported it already.)"""
+    in this process may have imported it already.) fp32 runs the kernel's exact-dot branch, fp16
+    the tensor-core branch a bf16 model takes on CUDA (the interpreter's bf16 `tl.dot` is wrong
+    in triton 3.9, so bf16 itself is left to the gpu test)."""
     from splitserve.engine.ops.paged_mla_triton import paged_mla_triton
 
     errors = {}
     for case_id, (computed, lengths, heads, rank, rope) in enumerate(CASES):
-        for num_splits in (1, 3):
-            q, pool, group = make_case(computed, lengths, heads, rank, rope, seed=1)
-            expected, got = torch.zeros(q.shape[0], heads, rank), torch.zeros(q.shape[0], heads, rank)
-            paged_mla_torch(q, pool, group, rank, 0.15, expected)
-            paged_mla_triton(q, pool, group, rank, 0.15, got, num_splits=num_splits)
-            errors[f"{case_id}-{num_splits}"] = float((got - expected).abs().max())
+        for dtype in (torch.float32, torch.float16):
+            for num_splits in (1, 3):
+                q, pool, group = make_case(computed, lengths, heads, rank, rope, dtype=dtype, seed=1)
+                expected = torch.zeros(q.shape[0], heads, rank, dtype=dtype)
+                got = torch.zeros_like(expected)
+                paged_mla_torch(q, pool, group, rank, 0.15, expected)
+                paged_mla_triton(q, pool, group, rank, 0.15, got, num_splits=num_splits)
+                key = f"{case_id}-{str(dtype).removeprefix('torch.')}-{num_splits}"
+                errors[key] = float((got.float() - expected.float()).abs().max())
     return errors
 
 
@@ -133,9 +138,10 @@ def interpreter_results() -> dict[str, float]:
 
 @needs_triton
 @pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize(("dtype", "tolerance"), [("float32", 1e-5), ("float16", 2e-3)])
 @pytest.mark.parametrize("case_id", range(len(CASES)))
-def test_triton_kernel_interpreted_matches_torch(interpreter_results, case_id, num_splits):
-    assert interpreter_results[f"{case_id}-{num_splits}"] < 1e-5
+def test_triton_kernel_interpreted_matches_torch(interpreter_results, case_id, dtype, tolerance, num_splits):
+    assert interpreter_results[f"{case_id}-{dtype}-{num_splits}"] < tolerance
 
 
 def test_backend_is_torch_on_cpu_and_env_overrides(monkeypatch):

@@ -16,7 +16,7 @@ from splitserve.engine.forward_batch import ForwardBatch, TokenGroup
 from splitserve.engine.model.layers import GatedRMSNorm
 from splitserve.engine.model_config import KimiLinearModelConfig
 from splitserve.engine.ops.kda import l2norm
-from splitserve.engine.ops.kda_dispatch import kda_decode, kda_prefill
+from splitserve.engine.ops.kda_dispatch import kda_decode_into, kda_prefill
 
 
 class KimiDeltaAttention(nn.Module):
@@ -85,9 +85,7 @@ class KimiDeltaAttention(nn.Module):
         if batch.single is not None:
             n = batch.single.num_rows
             slots = batch.single.state_slots
-            out, new_state = kda_decode(q[:n], k[:n], v[:n], g[:n], beta[:n], recurrent_state[slots])
-            recurrent_state[slots] = new_state
-            core[:n] = out
+            core[:n] = kda_decode_into(q[:n], k[:n], v[:n], g[:n], beta[:n], recurrent_state, slots)
         if batch.multi is not None:
             self._delta_chunk(q, k, v, g, beta, batch.multi, recurrent_state, core)
         gate = self.g_b_proj(g_a).view(-1, nh, hd)

@@ -88,3 +88,36 @@ def kda_decode(
         output_final_state=True,
     )
     return out.squeeze(1), final
+
+
+def kda_decode_into(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """`kda_decode` on the states `state_pool[slots]`, updated in place; returns the output [N, H, Dv].
+
+    fla reads and writes each row's slot of the pool directly (`ssm_state_indices`), so a decode
+    step moves each state once instead of gathering a copy and scattering it back.
+    """
+    if kda_backend(q.device) == "torch":
+        out, new_state = kda_recurrent_step(q, k, v, g, beta, state_pool[slots])
+        state_pool[slots] = new_state
+        return out
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    assert state_pool.dtype == torch.float32 and state_pool.is_contiguous(), (
+        "the KDA state pool is fp32, contiguous"
+    )
+    out, _ = fused_recurrent_kda_fwd(
+        *(x.unsqueeze(1).contiguous() for x in (q, k, v, g, beta)),  # [B=N, T=1, H, ...]
+        scale=1.0,
+        initial_state=state_pool,
+        inplace_final_state=True,
+        ssm_state_indices=slots.to(torch.int32).contiguous(),
+    )
+    return out.squeeze(1)

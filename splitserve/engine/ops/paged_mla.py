@@ -68,7 +68,7 @@ def paged_mla_torch(
     values = keys[..., :rank]
     context = keys.shape[2]
     positions = torch.arange(context, device=kv_pool.device)
-    query_pos = group.positions
+    query_pos = group.query_pos
     chunk = max(1, min(length, mask_budget_bytes // max(1, rows * heads * context)))
     for start in range(0, length, chunk):
         stop = min(length, start + chunk)

@@ -154,7 +154,7 @@ def paged_mla_triton(
     lse = torch.empty(num_splits, rows, num_pairs, dtype=torch.float32, device=q_full.device)
     kv_index = group.kv_index.contiguous()
     token_index = group.token_index.contiguous()
-    query_pos = group.positions.contiguous()
+    query_pos = group.query_pos.contiguous()
     assert q_full.stride(2) == 1 and kv_pool.stride(1) == 1, "q_full and kv_pool need a contiguous last dim"
     _kernel()[(rows, num_blocks, num_splits)](
         q_full,
