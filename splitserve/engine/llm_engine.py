@@ -14,8 +14,7 @@ import torch
 from splitserve.engine.cache_budget import default_kv_cache_bytes
 from splitserve.engine.cache_pool import BlockAllocator, SlotAllocator, allocate_caches
 from splitserve.engine.cache_spec import CachePlan, context_len, plan_cache
-from splitserve.engine.loader import load_weights
-from splitserve.engine.model.kimi_linear import KimiLinearForCausalLM
+from splitserve.engine.loader import load_model
 from splitserve.engine.model_config import KimiLinearModelConfig
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.request import Request
@@ -66,10 +65,7 @@ class LLMEngine:
         self.device = torch.device(config.device)
         dtype = getattr(torch, config.dtype)  # EngineConfig.dtype is a torch dtype name
         context_len(mc, config)  # a max_model_len beyond the checkpoint's fails before the weights load
-        with torch.device(self.device):
-            model = KimiLinearForCausalLM(mc)
-        load_weights(model, path, dtype)
-        self.model = model.eval()
+        self.model = load_model(mc, path, dtype, self.device)
         self.plan, self.max_model_len = self._plan_cache()
         self.caches = allocate_caches(self.plan, mc, self.device)
         self.scheduler = Scheduler(

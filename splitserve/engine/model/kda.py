@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine.forward_batch import ForwardBatch, TokenGroup
-from splitserve.engine.model.layers import GatedRMSNorm
+from splitserve.engine.model.layers import GatedRMSNorm, fuse_rows
 from splitserve.engine.model_config import KimiLinearModelConfig
 from splitserve.engine.ops.kda import l2norm
 from splitserve.engine.ops.kda_dispatch import kda_decode_into, kda_prefill
@@ -50,16 +50,14 @@ class KimiDeltaAttention(nn.Module):
         self.decay_rate = torch.empty(0)  # [H, 1] fp32
 
     def finalize(self) -> None:
-        """Fuse the six input projections into one matmul and the three convs into one."""
-        self.in_proj = torch.cat(
-            [
-                w.weight
-                for w in (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, self.g_a_proj)
-            ]
-        ).contiguous()
-        self.conv_weight = torch.cat(
-            [c.weight.squeeze(1) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
-        ).contiguous()
+        """Fuse the six input projections into one matmul and the three convs into one.
+
+        The separate weights become views of the fused ones, so fusing holds no second copy.
+        """
+        projections = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, self.g_a_proj)
+        self.in_proj = fuse_rows([p.weight for p in projections])
+        self.conv_weight = fuse_rows([c.weight for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
+        self.conv_weight = self.conv_weight.squeeze(1)
         self.decay_rate = self.A_log.float().exp().view(self.num_heads, 1)
 
     def forward(

@@ -59,7 +59,11 @@ class KimiLinearModel(nn.Module):
 
     def __init__(self, config: KimiLinearModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # given a weight, Embedding skips its normal_ init: on the meta device that init would import
+        # torch's Python meta kernels (sympy and ~900 modules, ~150 MiB of RSS); the loader fills it
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -49,7 +49,7 @@ class GatedMLP(nn.Module):
         self.gate_up: torch.Tensor | None = None
 
     def finalize(self) -> None:
-        self.gate_up = torch.cat([self.gate_proj.weight, self.up_proj.weight], dim=0).contiguous()
+        self.gate_up = fuse_rows([self.gate_proj.weight, self.up_proj.weight])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
@@ -57,3 +57,16 @@ class GatedMLP(nn.Module):
         else:
             gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+
+def fuse_rows(weights: list[nn.Parameter]) -> torch.Tensor:
+    """Concatenate weights along dim 0 and make each parameter a view of its rows of the result.
+
+    The separate weights' old storage is freed, so a fused model holds each weight once.
+    """
+    fused = torch.cat([w.detach() for w in weights])
+    start = 0
+    for w in weights:
+        w.data = fused[start : start + w.shape[0]]
+        start += w.shape[0]
+    return fused
