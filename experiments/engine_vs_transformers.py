@@ -17,6 +17,7 @@ import random
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -65,10 +66,46 @@ def run_transformers(path: Path, prompts: list[list[int]], outputs: list[int], b
     return time.perf_counter() - start
 
 
+def module_timers(model: torch.nn.Module) -> tuple[dict[str, float], list[Any]]:
+    """Accumulate the wall time of each kind of sub-layer (forward hooks); returns times and handles.
+
+    Top-level kinds (attention by type, MoE block, dense MLP) partition a layer's work apart from
+    its norms and residual adds; the indented MoE parts are inside the MoE block's time.
+    """
+    from splitserve.engine.model.kda import KimiDeltaAttention
+
+    kinds = {
+        ".self_attn": lambda m: "KDA attention" if isinstance(m, KimiDeltaAttention) else "MLA attention",
+        ".block_sparse_moe": lambda m: "MoE block" if hasattr(m, "experts") else "dense MLP",
+        ".block_sparse_moe.gate": lambda m: "  router",
+        ".block_sparse_moe.experts": lambda m: "  routed experts",
+        ".block_sparse_moe.shared_experts": lambda m: "  shared experts",
+    }
+    times: dict[str, float] = {}
+    handles: list[Any] = []
+    for name, module in model.named_modules():
+        suffix = next((s for s in kinds if name.endswith(s) and name.count(".") == s.count(".") + 2), None)
+        if suffix is None:
+            continue
+        kind = kinds[suffix](module)
+        times.setdefault(kind, 0.0)
+        started: list[float] = []
+
+        def pre(_m: Any, _a: Any, started: list[float] = started) -> None:
+            started.append(time.perf_counter())
+
+        def post(_m: Any, _a: Any, _o: Any, started: list[float] = started, kind: str = kind) -> None:
+            times[kind] += time.perf_counter() - started.pop()
+
+        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    return times, handles
+
+
 def profile_decode(
     path: Path, prompts: list[list[int]], max_num_seqs: int, steps: int = 40
-) -> dict[str, float]:
-    """Seconds per decode step, split by phase, with `max_num_seqs` requests decoding."""
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Seconds per decode step with `max_num_seqs` requests decoding: by phase, and the model
+    phase by kind of sub-layer (timed in the same steps; the hooks add a little to "model")."""
     from splitserve import LLM, SamplingParams
 
     llm = LLM(model=str(path), dtype="float32", max_num_seqs=max_num_seqs)
@@ -80,6 +117,7 @@ def profile_decode(
         engine.step()
     phases = dict.fromkeys(("schedule", "build_batch", "model", "sample", "postprocess"), 0.0)
     runner, model = engine.runner, engine.model
+    layer_times, handles = module_timers(model)
     with torch.inference_mode():
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -102,7 +140,9 @@ def profile_decode(
             t5 = time.perf_counter()
             for key, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
                 phases[key] += dt / steps
-    return phases
+    for handle in handles:
+        handle.remove()
+    return phases, {kind: total / steps for kind, total in layer_times.items()}
 
 
 def main() -> None:
@@ -131,17 +171,22 @@ def main() -> None:
             f"{useful} useful output tokens | torch threads {torch.get_num_threads()}"
         )
         engine_s = run_engine(path, prompts, outputs, args.max_num_seqs)
+        print(f"splitserve engine        : {engine_s:8.2f} s  {useful / engine_s:9.1f} useful tok/s", flush=True)
         hf_s = run_transformers(path, prompts, outputs, args.hf_batch_size)
-        print(f"splitserve engine        : {engine_s:8.2f} s  {useful / engine_s:9.1f} useful tok/s")
         print(
             f"transformers generate b={args.hf_batch_size:<3}: {hf_s:8.2f} s  {useful / hf_s:9.1f} useful tok/s"
         )
         print(f"ratio (engine / transformers): {hf_s / engine_s:.2f}x")
-        phases = profile_decode(path, prompts, min(args.max_num_seqs, len(prompts)))
+        phases, layers = profile_decode(path, prompts, min(args.max_num_seqs, len(prompts)))
         total = sum(phases.values())
         print(f"decode step with {min(args.max_num_seqs, len(prompts))} running: {total * 1e3:.2f} ms")
         for key, dt in phases.items():
             print(f"  {key:12s} {dt * 1e3:7.2f} ms  {100 * dt / total:5.1f}%")
+        top_level = sum(dt for kind, dt in layers.items() if not kind.startswith(" "))
+        layers["norms, residuals, embedding, lm head"] = phases["model"] - top_level
+        print("model phase by sub-layer kind (summed over layers):")
+        for kind, dt in layers.items():
+            print(f"  {kind:38s} {dt * 1e3:7.2f} ms  {100 * dt / phases['model']:5.1f}%")
 
 
 if __name__ == "__main__":

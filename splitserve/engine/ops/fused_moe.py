@@ -72,10 +72,10 @@ def fused_moe(
     x = x.contiguous()
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     _launch(x, w13, h, sorted_pairs, block_expert, num_pairs, inter, hidden, top_k, block_m, None)
-    per_choice = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    per_choice = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # rounded as the reference
     flat_weights = weights.reshape(-1).float().contiguous()
     _launch(h, w2, per_choice, sorted_pairs, block_expert, num_pairs, hidden, inter, 1, block_m, flat_weights)
-    return per_choice.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+    return per_choice.view(num_tokens, top_k, hidden).sum(dim=1)
 
 
 def _launch(

@@ -46,7 +46,8 @@ def moe_experts_torch(
     gate, up = gate_up.chunk(2, dim=-1)
     y = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2)).view(num_experts * capacity, -1)
     per_choice = y[slot].view(num_tokens, top_k, -1)
-    return torch.bmm(weights.to(y.dtype).unsqueeze(1), per_choice).squeeze(1)
+    # weight in fp32, round each choice to x's dtype, then sum: transformers' rounding in bf16
+    return (per_choice * weights.unsqueeze(-1)).to(x.dtype).sum(dim=1)
 
 
 def _per_expert_loop(
