@@ -13,6 +13,7 @@ import grpc
 from prefill_worker.state_writer import NoStateWriter, StateWriter
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import HANDOFF, RequestUpdate
+from splitserve.engine.state_transfer import state_bytes
 from splitserve.rpc import abort
 from splitserve.state.client import StateStoreClient
 from splitserve.state.errors import StateStoreError
@@ -64,8 +65,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         export = None  # without one the engine runs an ordinary request, ended by max_tokens 1
         if needs_state:
             owner = request.state_owner or self.worker_id
+            num_bytes = state_bytes(self.loop.engine.caches, len(request.prompt_token_ids))
             writer = StateWriter(
-                self._store(request.store_address), request.state_key, owner, request.lease_s
+                self._store(request.store_address), request.state_key, owner, request.lease_s, num_bytes
             )
             export = writer.write
         done = threading.Event()

@@ -1,9 +1,12 @@
 """Streams one request's state into a store with a single Put, piece by piece as the prefill runs.
 
 The engine thread only queues each piece it hands over (a copy of one prefill chunk's MLA rows
-of one layer, or a KDA state after the last chunk); gRPC's sending thread copies it to the host,
-cuts it into chunks, checksums and sends them, so the engine never waits on the network, on
-crc32 or on a device sync. `finish` seals the key and waits for the store's ack.
+of one layer, or a KDA state after the last chunk). A piece on the CPU goes to `write_state`
+(the sending thread copies it once into the store's shared-memory arena when the store is on
+this node, or cuts and sends it as bytes); a piece on a device goes as a lazy `encode`, whose
+copy to the host runs on the sending thread. Checksums are computed there too, so the engine
+never waits on the network, on a checksum or on a device sync. `finish` seals the key and waits
+for the store's ack.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from splitserve.engine.state_codec import encode
+import torch
+
+from splitserve.engine.state_codec import encode, host_bytes
 from splitserve.engine.state_transfer import LayerState
 from splitserve.state import StateKind
 from splitserve.state.client import StateStoreClient
@@ -20,13 +25,22 @@ from splitserve.state.client import StateStoreClient
 class StateWriter:
     """Owns one `PutStream`: `write` from the engine thread, then `finish` (seal) or `cancel`."""
 
-    def __init__(self, client: StateStoreClient, key: str, owner: str, lease_s: float) -> None:
+    def __init__(
+        self,
+        client: StateStoreClient,
+        key: str,
+        owner: str,
+        lease_s: float,
+        expected_bytes: int | None = None,
+    ) -> None:
         self.key, self.owner = key, owner
         self.num_bytes = 0
         self.first_write_s: float | None = None  # monotonic time the first piece was queued
         self._client = client
         self._sent_until: dict[int, int] = {}  # MLA layer -> rows [0, n) already queued
-        self._put = client.open_put(key, owner=owner, lease_s=lease_s)
+        self._held: list[torch.Tensor] = []  # what write_state reads in place, until finish
+        # with the state's size the store's arena holds it in one region of that size
+        self._put = client.open_put(key, owner=owner, lease_s=lease_s, expected_bytes=expected_bytes)
 
     def write(self, state: LayerState) -> None:
         """Queue one piece (engine thread). Rows already queued are dropped: a preempted prefill
@@ -42,11 +56,29 @@ class StateWriter:
         if self.first_write_s is None:
             self.first_write_s = time.monotonic()
         self.num_bytes += state.num_bytes
-        self._put.write(encode(state, self.key))  # a generator: runs on the sending thread
+        if state.tensor.device.type != "cpu":
+            self._put.write(encode(state, self.key))  # a generator: runs on the sending thread
+            return
+        tensor = state.tensor.detach().contiguous()  # a fresh copy already: no copy here
+        self._held.append(tensor)
+        data, dtype, shape = host_bytes(tensor)
+        self._put.write_state(
+            state.layer_id,
+            state.kind,
+            data,
+            dtype=dtype,
+            shape=shape,
+            token_start=state.token_start,
+            token_end=state.token_end,
+            num_tokens=state.prompt_len if state.kind is StateKind.MLA_KV else None,
+        )
 
     def finish(self, timeout_s: float) -> None:
         """Seals the key and waits for the store; raises the store's error (`StateStoreError`)."""
-        self._put.finish(timeout_s)
+        try:
+            self._put.finish(timeout_s)
+        finally:
+            self._held.clear()
 
     def stream_s(self) -> float:
         """Seconds from the first piece queued until now (call after `finish`); 0 if none was."""

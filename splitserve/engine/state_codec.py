@@ -30,17 +30,14 @@ def encode(state: LayerState, key: str, max_chunk_bytes: int = DEFAULT_CHUNK_BYT
     so a writer can hand the generator to a sending thread. The host tensor's memory is read in
     place; each chunk's bytes are its one copy.
     """
-    tensor = state.tensor.detach().cpu().contiguous()
-    if tensor.dim() == 0:
-        tensor = tensor.reshape(1)
-    data = tensor.reshape(-1).view(torch.uint8).numpy().data  # its bytes in place (numpy has no bfloat16)
+    data, dtype, shape = host_bytes(state.tensor.detach().cpu())
     chunks = make_chunks(
         key,
         state.layer_id,
         state.kind,
         data,
-        dtype=str(tensor.dtype).removeprefix("torch."),
-        shape=tensor.shape,
+        dtype=dtype,
+        shape=shape,
         token_start=state.token_start,
         token_end=state.token_end,
         max_chunk_bytes=max_chunk_bytes,
@@ -53,6 +50,15 @@ def encode(state: LayerState, key: str, max_chunk_bytes: int = DEFAULT_CHUNK_BYT
             chunk.meta, chunk_index=chunk.meta.token_start, num_chunks=state.prompt_len
         )
         yield Chunk(meta, chunk.data)
+
+
+def host_bytes(tensor: torch.Tensor) -> tuple[memoryview, str, tuple[int, ...]]:
+    """A CPU tensor's bytes (in place when it is contiguous), its dtype name and its shape."""
+    tensor = tensor.contiguous()
+    if tensor.dim() == 0:
+        tensor = tensor.reshape(1)
+    data = tensor.reshape(-1).view(torch.uint8).numpy().data  # numpy has no bfloat16: go through bytes
+    return data, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)
 
 
 def decode_pieces(chunks: Iterable[Chunk]) -> Iterator[LayerState]:
@@ -108,10 +114,9 @@ def decode(chunks: Iterable[Chunk]) -> Iterator[LayerState]:
 
 def _check_continues(parts: list[Chunk], meta: ChunkMeta) -> None:
     first = parts[0].meta if parts else meta
-    if meta.kind is StateKind.MLA_KV:
-        expected = parts[-1].meta.token_end if parts else 0  # a whole state starts at token 0
-    else:
-        expected = len(parts)
+    # MLA chunks are numbered by token (a whole state starts at token 0); KDA ones 0..n-1
+    mla_next = parts[-1].meta.token_end if parts else 0
+    expected = mla_next if meta.kind is StateKind.MLA_KV else len(parts)
     if meta.chunk_index != expected or (meta.dtype, meta.shape[1:], meta.num_chunks) != (
         first.dtype,
         first.shape[1:],

@@ -50,6 +50,16 @@ def token_rows(block_table: list[int], num_tokens: int, block_size: int, start: 
     return table[positions // block_size] * block_size + positions % block_size
 
 
+def state_bytes(caches: LayerCaches, num_tokens: int) -> int:
+    """Bytes of one request's whole state for a prompt of `num_tokens` tokens (what a writer
+    can tell its store up front, so one region holds it all)."""
+    mla = sum(kv.shape[1] * kv.element_size() * num_tokens for kv in caches.mla_kv.values())
+    kda = sum(
+        t[0].numel() * t.element_size() for t in (*caches.kda_conv.values(), *caches.kda_recurrent.values())
+    )
+    return mla + kda
+
+
 def extract_mla_rows(
     caches: LayerCaches, layer_id: int, rows: torch.Tensor, token_start: int, num_prompt_tokens: int
 ) -> LayerState:

@@ -7,7 +7,7 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.llm_engine import HANDOFF, LLMEngine
-from splitserve.engine.state_transfer import LayerState
+from splitserve.engine.state_transfer import LayerState, state_bytes
 from splitserve.engine_config import EngineConfig
 from splitserve.state import CorruptStateError, StateKind
 
@@ -86,6 +86,7 @@ def test_every_layer_ships_its_state_once(tiny_model_path):
             )
         kda = [s for s in shipped if s.kind != StateKind.MLA_KV]
         assert len(kda) == 2 * len(config.kda_layer_ids)
+        assert sum(s.num_bytes for s in shipped) == state_bytes(prefill.caches, len(prompt))
 
 
 def test_a_chunked_prefill_streams_each_chunks_rows_as_it_runs(tiny_model_path):

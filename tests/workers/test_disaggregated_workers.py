@@ -98,6 +98,9 @@ def test_corrupted_state_fails_the_request_clearly_and_frees_it(cluster, store_s
         return data
 
     monkeypatch.setattr(store._tiers, "fetch", corrupting_fetch)
+    # the damage is injected where bytes leave the store's tiers: keep the state off the shared-
+    # memory arena (whose regions the readers map directly; the store's own tests corrupt those)
+    monkeypatch.setattr(StateStoreClient, "local_arena", lambda self: None)
     with pytest.raises(grpc.RpcError) as err:
         generate(addr["prefill"], addr["decode"], "corrupt-me", PROMPTS[1], _params(0))
     # whichever side meets the damage first (the decode's read, or the prefill's next write into

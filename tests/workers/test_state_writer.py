@@ -1,29 +1,40 @@
-"""The prefill's StateWriter: queues pieces without encoding them, and ships each MLA row once."""
+"""The prefill's StateWriter: queues pieces without copying them, and ships each MLA row once."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from prefill_worker.state_writer import StateWriter
 from splitserve.engine.state_transfer import LayerState
-from splitserve.state import Chunk, StateKind
+from splitserve.state import StateKind
+
+
+@dataclass
+class Queued:
+    layer: int
+    kind: StateKind
+    data: memoryview
+    fields: dict[str, Any]
 
 
 class FakePut:
-    def __init__(self) -> None:
-        self.queued: list[Iterable[Chunk]] = []
+    """Records what `write_state` queued (a real PutStream copies it on its sending thread)."""
 
-    def write(self, chunks: Iterable[Chunk]) -> None:
-        self.queued.append(chunks)
+    def __init__(self) -> None:
+        self.queued: list[Queued] = []
+
+    def write_state(self, layer: int, kind: StateKind, data: memoryview, **fields: Any) -> None:
+        self.queued.append(Queued(layer, kind, data, fields))
 
 
 class FakeClient:
     def __init__(self) -> None:
         self.put = FakePut()
 
-    def open_put(self, key: str, *, owner: str, lease_s: float) -> FakePut:
+    def open_put(self, key: str, *, owner: str, lease_s: float, expected_bytes: int | None) -> FakePut:
         return self.put
 
 
@@ -37,26 +48,24 @@ def test_rows_a_preempted_prefill_recomputes_are_not_sent_twice():
     writer = StateWriter(client, "key", "owner", 30.0)  # type: ignore[arg-type]
     for a, b in [(0, 40), (40, 64), (0, 50), (50, 80), (80, 100)]:  # preempted after 64, recomputed
         writer.write(_rows(a, b))
-    chunks = [c for queued in client.put.queued for c in queued]
-    assert [(c.meta.token_start, c.meta.token_end) for c in chunks] == [
-        (0, 40),
-        (40, 64),
-        (64, 80),
-        (80, 100),
-    ]
+    queued = client.put.queued
+    ranges = [(q.fields["token_start"], q.fields["token_end"]) for q in queued]
+    assert ranges == [(0, 40), (40, 64), (64, 80), (80, 100)]
+    assert {q.fields["num_tokens"] for q in queued} == {100}  # numbered by token in the store
     back = torch.cat(
-        [torch.frombuffer(bytearray(c.data), dtype=torch.float32).reshape(-1, 4) for c in chunks]
+        [torch.frombuffer(bytearray(q.data), dtype=torch.float32).reshape(-1, 4) for q in queued]
     )
     assert torch.equal(back[:, 0], torch.arange(100, dtype=torch.float32))
     assert writer.num_bytes == 100 * 4 * 4
 
 
-def test_writing_only_queues_a_lazy_encoding():
+def test_writing_queues_the_tensor_in_place_without_a_copy():
     client = FakeClient()
     writer = StateWriter(client, "key", "owner", 30.0)  # type: ignore[arg-type]
-    state = _rows(0, 10)
+    state = LayerState(0, StateKind.KDA_RECURRENT, torch.ones(2, 3, 3), 0, 10)
     writer.write(state)
-    state.tensor.zero_()  # not encoded yet: the sending thread reads the tensor when it runs
+    state.tensor.zero_()  # the sending thread reads the tensor's own memory, so it sees this
     (queued,) = client.put.queued
-    (chunk,) = list(queued)
-    assert chunk.data == bytes(10 * 4 * 4)
+    assert bytes(queued.data) == bytes(2 * 3 * 3 * 4)
+    assert queued.fields["shape"] == (2, 3, 3) and queued.fields["dtype"] == "float32"
+    assert queued.fields["num_tokens"] is None
