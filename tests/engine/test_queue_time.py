@@ -51,9 +51,15 @@ def test_only_the_first_update_carries_the_queue_time(one_seq_engine):
 
 def test_an_admitted_transfer_queues_from_its_admission(one_seq_engine):
     engine = one_seq_engine
-    assert engine.reserve_transfer("moved", 3)
+    prompt = [5, 6, 7]
+    states: list = []
+    engine.add_request("source", prompt, PARAMS, export=states.append)  # its state, as a prefill exports it
+    first_token_id = [u for u, _ in _steps_until_done(engine)][0].new_token_ids[0]
+    assert engine.reserve_transfer("moved", len(prompt))
     reserved_at = time.monotonic()
-    engine.admit_transferred("moved", [5, 6, 7], PARAMS, first_token_id=11)
+    for state in states:
+        engine.write_transferred_state("moved", state)
+    engine.admit_transferred("moved", prompt, PARAMS, first_token_id=first_token_id)
     request = engine.scheduler.running[0]
     assert request.arrival_s >= reserved_at  # the wait for the state is not queue time
     updates = [u for u, _ in _steps_until_done(engine)]
