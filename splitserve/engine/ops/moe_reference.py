@@ -2,9 +2,9 @@
 
 The (token, choice) pairs are sorted by expert and packed into a zero-padded `[E, C, H]` buffer
 (`C` the busiest expert's count), so both expert matmuls are one `bmm` each whatever the number
-of experts: a dozen ops per layer instead of eight per expert. Where routing is so skewed that
-the padding would cost more than the work, a per-expert loop over the same sorted pairs runs
-instead. Both combine a token's `k` expert outputs in the order of its choices.
+of experts: a dozen ops per layer instead of eight per expert. Where routing is skewed enough
+that the padding would cost more than the loop's per-expert overhead (long prefill chunks), a
+per-expert loop over the same sorted pairs runs instead. Both combine a token's `k` expert outputs in the order of its choices.
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Padded rows allowed per real (token, choice) row before the per-expert loop is cheaper.
-_MAX_PADDING_FACTOR = 4
+# Padding the bmm may add before the per-expert loop is cheaper: a quarter of the real rows, plus
+# what the loop's own per-expert op overhead costs (~32 rows of compute per expert at small shapes).
+_PADDING_FRACTION = 0.25
+_PADDING_ROWS_PER_EXPERT = 32
 
 
 def moe_experts_torch(
@@ -32,7 +34,8 @@ def moe_experts_torch(
     order = flat_ids.argsort(stable=True)
     counts = torch.bincount(flat_ids, minlength=num_experts)
     capacity = int(counts.max())
-    if num_experts * capacity > _MAX_PADDING_FACTOR * flat_ids.numel():
+    allowed_rows = (1 + _PADDING_FRACTION) * flat_ids.numel() + _PADDING_ROWS_PER_EXPERT * num_experts
+    if num_experts * capacity > allowed_rows:
         return _per_expert_loop(x, w13, w2, weights, order, counts.tolist(), top_k)
     # row of each pair in the padded buffer: its expert's block, then its rank among that expert's pairs
     starts = counts.cumsum(0) - counts
