@@ -184,30 +184,37 @@ class StoreConfig(_Section):
     num_cpus: float = Field(default=0.25, ge=0)
 
 
-def _refused(reason: str) -> BeforeValidator:
-    """A key kept in the schema only to refuse it with `reason` (an unknown-key error would not say why)."""
-
-    def refuse(value: object) -> object:
-        raise ValueError(reason)
-
-    return BeforeValidator(refuse)
+class PrefillPoolConfig(PoolConfig):
+    """The prefill pool: a `PoolConfig` plus what only prefill workers do."""
 
 
-_NO_PREFIX_CACHING = "prefix caching is not implemented yet; remove this key"
-NotImplementedYet = Annotated[object, _refused(_NO_PREFIX_CACHING)]
+class DecodePoolConfig(PoolConfig):
+    """The decode pool: a `PoolConfig` plus what only decode workers do."""
 
 
 class CacheConfig(_Section):
-    """Reserved for prefix caching, which is not implemented yet: each of its keys is refused
-    at load, so a file cannot ask for behaviour it would silently not get. Never dumped."""
+    """Hybrid prefix caching (docs/ARCHITECTURE.md, "Prefix caching").
 
-    block_size: Annotated[
-        object,
-        _refused(f"{_NO_PREFIX_CACHING} (each pool's KV block is prefill.block_size / decode.block_size)"),
-    ] = None
-    prefix_unit: NotImplementedYet = None
-    retention_interval: NotImplementedYet = None
-    selective_retention: NotImplementedYet = None
+    A prefix is named by a chain of hashes, one per `prefix_unit` prompt tokens; it is reusable
+    only where every MLA layer's KV and a KDA state snapshot at that exact boundary both exist.
+    Snapshots are kept at every prompt end and at the end of every finished request (prompt +
+    reply); every `retention_interval` tokens (0: none); and, with `selective_retention`, at a
+    boundary the engine has seen a second time. `snapshot_memory_bytes` is each worker's pool
+    for them (on top of `<pool>.kv_cache_memory_bytes`).
+    """
+
+    enable_prefix_caching: bool = True
+    prefix_unit: int = Field(default=64, ge=1)
+    retention_interval: int = Field(default=0, ge=0)
+    selective_retention: bool = True
+    snapshot_memory_bytes: ByteSize = 64 * 2**20
+
+
+class RouterConfig(_Section):
+    """How the gateway picks workers: `prefix_aware` (matched prefix tokens balanced against
+    load), `least_load` or `round_robin`."""
+
+    policy: Literal["prefix_aware", "least_load", "round_robin"] = "prefix_aware"
 
 
 class HealthConfig(_Section):
@@ -233,10 +240,11 @@ class ClusterConfig(_Section):
     model: ModelConfig = ModelConfig()
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     gateway: GatewayConfig = GatewayConfig()
-    prefill: PoolConfig = PoolConfig()
-    decode: PoolConfig = PoolConfig()
+    prefill: PrefillPoolConfig = PrefillPoolConfig()
+    decode: DecodePoolConfig = DecodePoolConfig()
     store: StoreConfig = StoreConfig()
-    cache: CacheConfig = Field(default=CacheConfig(), exclude=True)
+    cache: CacheConfig = CacheConfig()
+    router: RouterConfig = RouterConfig()
     health: HealthConfig = HealthConfig()
 
     @model_validator(mode="before")
@@ -258,6 +266,16 @@ class ClusterConfig(_Section):
             pool: PoolConfig = getattr(self, name)
             if pool.replicas < 1:
                 raise ValueError(f"{name}.replicas: must be at least 1 (got {pool.replicas})")
+            if self.cache.prefix_unit % pool.block_size:
+                raise ValueError(
+                    f"cache.prefix_unit: must be a multiple of {name}.block_size "
+                    f"({pool.block_size}; got {self.cache.prefix_unit})"
+                )
+        if self.cache.retention_interval % self.cache.prefix_unit:
+            raise ValueError(
+                f"cache.retention_interval: must be a multiple of cache.prefix_unit "
+                f"({self.cache.prefix_unit}; got {self.cache.retention_interval})"
+            )
         return self
 
     @property
@@ -288,6 +306,11 @@ class ClusterConfig(_Section):
             block_size=section.block_size,
             max_model_len=self.model.max_model_len,
             num_threads=None if on_gpu else max(1, int(section.num_cpus)),
+            enable_prefix_caching=self.cache.enable_prefix_caching,
+            prefix_unit=self.cache.prefix_unit,
+            retention_interval=self.cache.retention_interval,
+            selective_retention=self.cache.selective_retention,
+            snapshot_memory_bytes=self.cache.snapshot_memory_bytes,
         )
 
     def to_yaml(self) -> str:

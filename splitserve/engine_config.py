@@ -33,12 +33,20 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     num_threads: int | None = None
+    # hybrid prefix caching (splitserve.config.CacheConfig says what each knob does); off by default
+    # for an engine built directly, on by default in a cluster config
+    enable_prefix_caching: bool = False
+    prefix_unit: int = 64
+    retention_interval: int = 0
+    selective_retention: bool = True
+    snapshot_memory_bytes: int = 64 * 2**20
 
     def __post_init__(self) -> None:
         positive = {
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "block_size": self.block_size,
+            "prefix_unit": self.prefix_unit,
         }
         if self.kv_cache_memory_bytes is not None:
             positive["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
@@ -47,6 +55,17 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1 (got {value})")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES} (got {self.dtype!r})")
+        if self.prefix_unit % self.block_size:
+            raise ValueError(
+                f"prefix_unit must be a multiple of block_size ({self.block_size}; got {self.prefix_unit})"
+            )
+        if self.retention_interval < 0 or self.retention_interval % self.prefix_unit:
+            raise ValueError(
+                f"retention_interval must be 0 or a multiple of prefix_unit ({self.prefix_unit}; "
+                f"got {self.retention_interval})"
+            )
+        if self.snapshot_memory_bytes < 0:
+            raise ValueError(f"snapshot_memory_bytes must be at least 0 (got {self.snapshot_memory_bytes})")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2 (got {self.max_model_len})")
 

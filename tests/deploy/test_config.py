@@ -104,18 +104,29 @@ def test_an_unknown_section_lists_the_known_ones(tmp_path):
     assert "prefil: unknown key (did you mean 'prefill'?)" in error_of(tmp_path, "prefil: {replicas: 2}")
 
 
-@pytest.mark.parametrize(
-    "key", ["block_size: 16", "prefix_unit: 64", "retention_interval: 1024", "selective_retention: true"]
-)
-def test_prefix_cache_keys_are_refused_until_prefix_caching_exists(tmp_path, key):
-    name = key.split(":")[0]
-    message = error_of(tmp_path, f"cache: {{{key}}}")
-    assert f"cache.{name}: prefix caching is not implemented yet; remove this key" in message
+def test_prefix_cache_keys_reach_every_pool_engine(tmp_path):
+    text = "cache: {prefix_unit: 32, retention_interval: 128, selective_retention: false}"
+    config = load_config(write(tmp_path, text))
+    for pool in ("prefill", "decode"):
+        engine = config.engine_config(pool, model_path="m")
+        assert engine.enable_prefix_caching
+        assert (engine.prefix_unit, engine.retention_interval, engine.selective_retention) == (32, 128, False)
 
 
-def test_every_refused_cache_key_is_named_at_once(tmp_path):
-    message = error_of(tmp_path, "cache: {block_size: 16, prefix_unit: 64, retention_interval: 1024}")
-    assert "3 problems" in message and "prefill.block_size / decode.block_size" in message
+def test_prefix_caching_is_on_by_default_and_off_when_asked(tmp_path):
+    assert default_config().engine_config("prefill", model_path="m").enable_prefix_caching
+    config = load_config(write(tmp_path, "cache: {enable_prefix_caching: false}"))
+    assert not config.engine_config("decode", model_path="m").enable_prefix_caching
+
+
+def test_a_prefix_unit_must_be_whole_blocks_of_every_pool(tmp_path):
+    message = error_of(tmp_path, "cache: {prefix_unit: 48}\ndecode: {block_size: 32}")
+    assert "cache.prefix_unit: must be a multiple of decode.block_size (32; got 48)" in message
+
+
+def test_a_retention_interval_must_be_whole_prefix_units(tmp_path):
+    message = error_of(tmp_path, "cache: {prefix_unit: 64, retention_interval: 100}")
+    assert "cache.retention_interval: must be a multiple of cache.prefix_unit (64; got 100)" in message
 
 
 def test_pools_choose_their_block_size_each(tmp_path):
@@ -125,15 +136,19 @@ def test_pools_choose_their_block_size_each(tmp_path):
     assert sizes == [16, 32]
 
 
-@pytest.mark.parametrize("section", sorted(set(ClusterConfig.model_fields) - {"cache"}))
+@pytest.mark.parametrize("section", sorted(ClusterConfig.model_fields))
 def test_every_key_is_described_in_the_deploy_readme(section):
-    """Each key the schema accepts says in deploy/README.md what it changes (refused ones are tested above)."""
+    """Each key the schema accepts says in deploy/README.md what it changes."""
     readme = (DEPLOY.parent / "README.md").read_text(encoding="utf-8")
     field = ClusterConfig.model_fields[section]
     keys = [section]
     if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-        prefix = "<pool>" if field.annotation is PoolConfig else section  # one table for both pools
-        keys = [f"{prefix}.{key}" for key in _leaf_keys(field.annotation)]
+        shared = set(PoolConfig.model_fields) if issubclass(field.annotation, PoolConfig) else set()
+        # keys every pool has share one table row (`<pool>.key`); a pool's own keys are named in full
+        keys = [
+            f"{'<pool>' if key.split('.')[0] in shared else section}.{key}"
+            for key in _leaf_keys(field.annotation)
+        ]
     missing = [key for key in keys if f"`{key}`" not in readme]
     assert not missing, f"deploy/README.md does not describe {missing}"
 
