@@ -5,6 +5,8 @@ One place for every field mapping, so the frontend and the workers cannot disagr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from splitserve.sampling_params import SamplingParams
 from splitserve.v1 import common_pb2, decode_pb2, prefill_pb2
 
@@ -81,10 +83,17 @@ def prefill_request(
     params: common_pb2.SamplingParams,
     reservation: decode_pb2.ReserveResponse | None = None,
     lease_s: float = 0.0,
+    prefix_hashes: Sequence[bytes] = (),
 ) -> prefill_pb2.PrefillRequest:
-    """Prefill of a prompt whose state goes where `reservation` says (None: max_tokens 1, no state)."""
+    """Prefill of a prompt whose state goes where `reservation` says (None: max_tokens 1, no state).
+
+    `prefix_hashes` is the prompt's prefix chain (empty: the engine hashes the prompt itself)."""
     request = prefill_pb2.PrefillRequest(
-        request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=params, lease_s=lease_s
+        request_id=request_id,
+        prompt_token_ids=prompt_token_ids,
+        sampling_params=params,
+        lease_s=lease_s,
+        prefix_hashes=prefix_hashes,
     )
     if reservation is not None:
         request.store_address = reservation.store_address

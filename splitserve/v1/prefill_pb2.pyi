@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "store_address", "state_key", "state_owner", "lease_s")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "store_address", "state_key", "state_owner", "lease_s", "prefix_hashes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class PrefillRequest(_message.Message):
     STATE_KEY_FIELD_NUMBER: _ClassVar[int]
     STATE_OWNER_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASHES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
@@ -23,7 +24,8 @@ class PrefillRequest(_message.Message):
     state_key: str
     state_owner: str
     lease_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., store_address: _Optional[str] = ..., state_key: _Optional[str] = ..., state_owner: _Optional[str] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    prefix_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., store_address: _Optional[str] = ..., state_key: _Optional[str] = ..., state_owner: _Optional[str] = ..., lease_s: _Optional[float] = ..., prefix_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PrefillTiming(_message.Message):
     __slots__ = ("arrival_unix_s", "queue_s", "prefill_s", "state_put_s", "state_bytes", "state_stream_s")
@@ -62,6 +64,42 @@ class PrefillResponse(_message.Message):
     num_cached_tokens: int
     timing: PrefillTiming
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.StateHandle, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., timing: _Optional[_Union[PrefillTiming, _Mapping]] = ...) -> None: ...
+
+class CacheReportRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PrefixEvent(_message.Message):
+    __slots__ = ("stored", "block_hash", "num_tokens")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    stored: bool
+    block_hash: bytes
+    num_tokens: int
+    def __init__(self, stored: _Optional[bool] = ..., block_hash: _Optional[bytes] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class PrefixCacheReport(_message.Message):
+    __slots__ = ("instance_id", "events", "num_queried_tokens", "num_hit_tokens", "num_imported_tokens", "num_lost_to_missing_state_tokens", "num_snapshots", "snapshot_bytes", "num_evictions")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_IMPORTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOST_TO_MISSING_STATE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    events: _containers.RepeatedCompositeFieldContainer[PrefixEvent]
+    num_queried_tokens: int
+    num_hit_tokens: int
+    num_imported_tokens: int
+    num_lost_to_missing_state_tokens: int
+    num_snapshots: int
+    snapshot_bytes: int
+    num_evictions: int
+    def __init__(self, instance_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[PrefixEvent, _Mapping]]] = ..., num_queried_tokens: _Optional[int] = ..., num_hit_tokens: _Optional[int] = ..., num_imported_tokens: _Optional[int] = ..., num_lost_to_missing_state_tokens: _Optional[int] = ..., num_snapshots: _Optional[int] = ..., snapshot_bytes: _Optional[int] = ..., num_evictions: _Optional[int] = ...) -> None: ...
 
 class AbortPrefillRequest(_message.Message):
     __slots__ = ("request_id",)

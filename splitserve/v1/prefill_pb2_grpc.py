@@ -45,6 +45,11 @@ class PrefillStub:
                 request_serializer=splitserve_dot_v1_dot_prefill__pb2.AbortPrefillRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_prefill__pb2.AbortPrefillResponse.FromString,
                 _registered_method=True)
+        self.CacheReport = channel.unary_unary(
+                '/splitserve.v1.Prefill/CacheReport',
+                request_serializer=splitserve_dot_v1_dot_prefill__pb2.CacheReportRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_prefill__pb2.PrefixCacheReport.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -66,6 +71,15 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CacheReport(self, request, context):
+        """The engine's prefix cache since the last call: which prefix units became usable hits and
+        which stopped being ones (drained: the gateway is the one reader), and its counters. The
+        gateway's router polls it to keep its index of which worker holds which prefixes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +92,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=splitserve_dot_v1_dot_prefill__pb2.AbortPrefillRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_prefill__pb2.AbortPrefillResponse.SerializeToString,
+            ),
+            'CacheReport': grpc.unary_unary_rpc_method_handler(
+                    servicer.CacheReport,
+                    request_deserializer=splitserve_dot_v1_dot_prefill__pb2.CacheReportRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_prefill__pb2.PrefixCacheReport.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +154,33 @@ class Prefill:
             '/splitserve.v1.Prefill/Abort',
             splitserve_dot_v1_dot_prefill__pb2.AbortPrefillRequest.SerializeToString,
             splitserve_dot_v1_dot_prefill__pb2.AbortPrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CacheReport(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Prefill/CacheReport',
+            splitserve_dot_v1_dot_prefill__pb2.CacheReportRequest.SerializeToString,
+            splitserve_dot_v1_dot_prefill__pb2.PrefixCacheReport.FromString,
             options,
             channel_credentials,
             insecure,
