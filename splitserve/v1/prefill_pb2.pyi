@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "store_address", "state_key", "state_owner", "lease_s", "prefix_hashes")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "store_address", "state_key", "state_owner", "lease_s", "prefix_hashes", "output_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class PrefillRequest(_message.Message):
     STATE_OWNER_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HASHES_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
@@ -25,7 +26,8 @@ class PrefillRequest(_message.Message):
     state_owner: str
     lease_s: float
     prefix_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., store_address: _Optional[str] = ..., state_key: _Optional[str] = ..., state_owner: _Optional[str] = ..., lease_s: _Optional[float] = ..., prefix_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., store_address: _Optional[str] = ..., state_key: _Optional[str] = ..., state_owner: _Optional[str] = ..., lease_s: _Optional[float] = ..., prefix_hashes: _Optional[_Iterable[bytes]] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillTiming(_message.Message):
     __slots__ = ("arrival_unix_s", "queue_s", "prefill_s", "state_put_s", "state_bytes", "state_stream_s")
