@@ -31,6 +31,7 @@ from splitserve.state.wire import (
 )
 from splitserve.v1 import common_pb2, store_pb2, store_pb2_grpc
 from state_store.arena import PROBE_NAME
+from state_store.faults import StoreFaults
 from state_store.store import StateStore
 
 SERVICE_NAME = store_pb2.DESCRIPTOR.services_by_name["StateStore"].full_name
@@ -50,6 +51,7 @@ class StateStoreServicer(store_pb2_grpc.StateStoreServicer):
     def __init__(self, store: StateStore, executor: Executor) -> None:
         self.store = store
         self._executor = executor
+        self._faults = StoreFaults.from_env()  # None unless a fault test asks (state_store/faults.py)
 
     async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -61,6 +63,10 @@ class StateStoreServicer(store_pb2_grpc.StateStoreServicer):
         num_chunks = num_bytes = 0
         try:
             async for msg in request_iterator:
+                if self._faults is not None:
+                    arena = self.store.arena.directory if self.store.arena is not None else None
+                    if (fault := self._faults.on_chunk(msg, arena)) is not None:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, fault)
                 lease_s = msg.lease_s or None
                 if is_seal(msg):
                     await self._run(self.store.seal, msg.key, owner=msg.owner)
@@ -134,16 +140,24 @@ class StateStoreServicer(store_pb2_grpc.StateStoreServicer):
         self, request: store_pb2.LookupRequest, context: grpc.aio.ServicerContext
     ) -> store_pb2.LookupResponse:
         if request.WhichOneof("query") == "prefix":
-            num_units, key = self.store.longest_match(list(request.prefix.hashes))
-            info = self.store.lookup(key) if key is not None else None
-            return key_info_to_proto(info, num_units) if info else store_pb2.LookupResponse(found=False)
+            token_ids = list(request.token_ids) or None
+            found = self.store.match_prefix(list(request.prefix.hashes), token_ids)
+            info = self.store.lookup(found.key) if found.key is not None else None
+            if info is None:
+                return store_pb2.LookupResponse(found=False)
+            return key_info_to_proto(info, found.num_units, found.num_tokens)
         return key_info_to_proto(self.store.lookup(request.key))
 
     async def Register(
         self, request: store_pb2.RegisterRequest, context: grpc.aio.ServicerContext
     ) -> store_pb2.RegisterResponse:
         try:
-            self.store.register(list(request.prefix.hashes), request.key)
+            self.store.register(
+                list(request.prefix.hashes),
+                request.key,
+                tail_token_ids=list(request.tail_token_ids),
+                num_tokens=request.num_tokens,
+            )
         except _ERRORS as e:
             await abort_with_error_async(context, e)
         return store_pb2.RegisterResponse()
