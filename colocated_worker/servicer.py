@@ -70,10 +70,12 @@ class ColocatedServicer(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.Decode
         with self._lock:
             self._streams[rid] = stream
         self.loop.watch(rid, stream.push)
-        prompt = list(request.prompt_token_ids)
+        prompt, sent = list(request.prompt_token_ids), list(request.output_token_ids)  # sent: failover
         started = time.time()
         try:
-            self.loop.call(lambda e: e.add_request(rid, prompt, params)).result(timeout=30)
+            self.loop.call(lambda e: e.add_request(rid, prompt, params, output_token_ids=sent)).result(
+                timeout=30
+            )
         except ValueError as exc:
             self._forget(rid)
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -100,17 +100,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.loop.watch(rid, updates.put)
         first_lp = logprobs_from_proto(request.first_logprobs) if request.HasField("first_logprobs") else None
         prompt, first = list(request.prompt_token_ids), request.first_token_id
+        earlier = list(request.output_token_ids)  # failover: generated before `first` elsewhere
         try:
-            self.loop.call(lambda e: e.admit_transferred(rid, prompt, params, first, first_lp)).result(
-                timeout=30
-            )
+            self.loop.call(
+                lambda e: e.admit_transferred(rid, prompt, params, first, first_lp, output_token_ids=earlier)
+            ).result(timeout=30)
         except (ValueError, KeyError) as exc:
             self._drop(rid, reader)
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self._release(reader.key)
         finished = threading.Event()
         context.add_callback(lambda: None if finished.is_set() else self._abort_engine(rid))
-        yield from stream_deltas(rid, updates, finished.set, context, state_wait_s)
+        yield from stream_deltas(rid, updates, finished.set, context, state_wait_s, 1 + len(earlier))
 
     def _free_room(self, reader: StateReader) -> None:
         """The state will never arrive whole: free the room now; Decode still reports why."""

@@ -65,7 +65,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         export = None  # without one the engine runs an ordinary request, ended by max_tokens 1
         if needs_state:
             owner = request.state_owner or self.worker_id
-            num_bytes = state_bytes(self.loop.engine.caches, len(request.prompt_token_ids))
+            num_state_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+            num_bytes = state_bytes(self.loop.engine.caches, num_state_tokens)
             writer = StateWriter(
                 self._store(request.store_address), request.state_key, owner, request.lease_s, num_bytes
             )
@@ -79,9 +80,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 done.set()
 
         self.loop.watch(rid, on_update)
-        prompt = list(request.prompt_token_ids)
+        prompt, sent = list(request.prompt_token_ids), list(request.output_token_ids)  # sent: failover
         try:
-            self.loop.call(lambda e: e.add_request(rid, prompt, params, export=export)).result()
+            self.loop.call(
+                lambda e: e.add_request(rid, prompt, params, export=export, output_token_ids=sent)
+            ).result()
         except ValueError as exc:
             self.loop.unwatch(rid)
             writer.cancel()

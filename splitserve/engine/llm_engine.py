@@ -123,8 +123,14 @@ class LLMEngine:
         params: SamplingParams,
         prompt: str | None = None,
         export: Callable[[LayerState], None] | None = None,
+        *,
+        output_token_ids: list[int] | None = None,
     ) -> Request:
         """Validate and queue; raises ValueError naming what is wrong with the request.
+
+        `output_token_ids`: tokens this request already generated elsewhere (decode failover): the
+        engine computes prompt + these and samples the next as output index len(output_token_ids),
+        so seeded sampling continues exactly; max_tokens counts them.
 
         With `export`, the request is prefill-only: it ends after its first token (finish reason
         "handoff" unless that token already ended it) and `export` receives its state as it becomes
@@ -133,6 +139,8 @@ class LLMEngine:
         A preempted request recomputes and exports its rows again.
         """
         request = self._new_request(request_id, prompt_token_ids, params, prompt)
+        if output_token_ids:
+            request.output_token_ids = self._resumed_outputs(request, output_token_ids)
         request.prefill_only = export is not None
         request.export = export
         self.requests[request_id] = request
@@ -148,6 +156,16 @@ class LLMEngine:
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return Request(request_id, ids, params, max_tokens, next(self._arrivals), prompt=prompt)
+
+    def _resumed_outputs(self, request: Request, output_token_ids: list[int]) -> list[int]:
+        """Tokens already generated for `request` elsewhere, checked against its limits."""
+        ids = self._in_vocab(output_token_ids, "output token id")
+        if len(ids) >= request.max_tokens:
+            raise ValueError(
+                f"{len(ids)} tokens were already generated; the request allows {request.max_tokens}: "
+                "nothing is left to generate"
+            )
+        return ids
 
     def reserve_transfer(self, request_id: str, num_prompt_tokens: int) -> bool:
         """Hold a slot and KV blocks for a prompt of `num_prompt_tokens` whose state another engine
@@ -187,9 +205,13 @@ class LLMEngine:
         params: SamplingParams,
         first_token_id: int,
         first_logprobs: dict[int, float] | None = None,
+        output_token_ids: list[int] | None = None,
     ) -> Request:
         """Every piece has arrived: the request joins the batch after its first token (the only
-        work left for the engine thread; the state is already in place)."""
+        work left for the engine thread; the state is already in place).
+
+        `output_token_ids` (decode failover): tokens generated before `first_token_id`; the
+        reserved state covers prompt + these, and `first_token_id` is output token len(these)."""
         reserved = self.scheduler.reserved.get(request_id)
         sink = self._sinks.get(request_id)
         if reserved is None or sink is None:
@@ -197,9 +219,11 @@ class LLMEngine:
         if not sink.complete:
             raise ValueError(f"state of {request_id} is incomplete: {sink.missing()}")
         request = self._new_request("", prompt_token_ids, params, None)
-        if request.num_prompt_tokens != reserved.num_prompt_tokens:
+        earlier = self._resumed_outputs(request, output_token_ids) if output_token_ids else []
+        if request.num_prompt_tokens + len(earlier) != reserved.num_prompt_tokens:
             raise ValueError(
-                f"prompt has {request.num_prompt_tokens} tokens; {reserved.num_prompt_tokens} were reserved"
+                f"prompt has {request.num_prompt_tokens} tokens (+{len(earlier)} already generated); "
+                f"{reserved.num_prompt_tokens} were reserved"
             )
         self._sinks.pop(request_id).close()  # from here steps read its rows: no writer may touch them
         reserved.prompt_token_ids, reserved.params, reserved.max_tokens = (
@@ -207,22 +231,26 @@ class LLMEngine:
             params,
             request.max_tokens,
         )
-        reserved.num_computed_tokens = reserved.num_prompt_tokens
+        reserved.num_computed_tokens = request.num_prompt_tokens + len(earlier)
         reserved.arrival_s = time.monotonic()  # it queues from here, not from the reservation
-        reserved.output_token_ids.append(int(first_token_id))
+        reserved.output_token_ids = [*earlier, int(first_token_id)]
         if first_logprobs is not None:
             reserved.output_logprobs.append(first_logprobs)
         self.scheduler.admit_reserved(reserved)
         return reserved
 
-    def validate_prompt(self, prompt_token_ids: list[int]) -> list[int]:
-        ids = [int(t) for t in prompt_token_ids]
-        if not ids:
-            raise ValueError("prompt is empty: send at least one token")
+    def _in_vocab(self, token_ids: list[int], what: str) -> list[int]:
+        ids = [int(t) for t in token_ids]
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            raise ValueError(f"{what} {bad[0]} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> list[int]:
+        ids = self._in_vocab(prompt_token_ids, "token id")
+        if not ids:
+            raise ValueError("prompt is empty: send at least one token")
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids):,} tokens; this model takes at most {self.max_model_len - 1:,} "

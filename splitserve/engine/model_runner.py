@@ -77,15 +77,17 @@ class ModelRunner:
         for s in exporting:
             req = s.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
-            end = min(end, req.num_prompt_tokens)  # rows past the prompt are not state to ship
+            # The state to ship covers every token known before this sample: the prompt, plus the
+            # tokens a resumed request (decode failover) had already generated.
+            n = req.num_tokens
+            end = min(end, n)
             rows = token_rows(req.block_table, end, self.block_size, start)
-            jobs.append((req, rows, start, end, s.samples))
+            jobs.append((req, rows, start, end, n, s.samples))
         mla = self.caches.mla_kv
 
         def after_layer(layer_id: int) -> None:
-            for req, rows, start, end, last in jobs:
+            for req, rows, start, end, n, last in jobs:
                 assert req.export is not None and req.state_slot is not None
-                n = req.num_prompt_tokens
                 if layer_id in mla and end > start:
                     req.export(extract_mla_rows(self.caches, layer_id, rows, start, n))
                 elif layer_id not in mla and last:

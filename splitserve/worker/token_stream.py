@@ -25,14 +25,15 @@ def stream_deltas(
     on_finish: Callable[[], None],
     context: grpc.ServicerContext,
     state_wait_s: float = 0.0,
+    num_generated: int = 1,
 ) -> Iterator[decode_pb2.TokenDelta]:
     """One TokenDelta per engine update until the finishing one; `on_finish` runs just before it.
 
     Ends quietly once the RPC is no longer active (the client cancelled, the server stopped):
     an aborted request sends no further update, and a handler left waiting for one would hold
-    a server thread for ever.
+    a server thread for ever. `num_generated`: tokens generated before the stream's first update
+    (the prefill's first token, plus those generated elsewhere before a decode failover).
     """
-    num_generated = 1  # the prefill's first token
     first = True
     while True:
         try:

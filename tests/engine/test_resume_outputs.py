@@ -1,0 +1,89 @@
+"""Decode failover by re-prefill, inside the engine: a request resumed from prompt + the tokens it
+already generated continues with exactly the tokens an uninterrupted run gives (greedy, seeded,
+penalties), whether the resumed engine decodes itself or exports its state to a decode engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve import SamplingParams
+from splitserve.engine.llm_engine import HANDOFF, LLMEngine
+from splitserve.engine.state_transfer import LayerState
+from splitserve.engine_config import EngineConfig
+
+PROMPT = [5 + (i * 7) % 300 for i in range(70)]
+NUM_TOKENS = 12
+
+PARAMS = {
+    "greedy": SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True),
+    "seeded": SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=NUM_TOKENS, ignore_eos=True),
+    "penalties": SamplingParams(
+        temperature=0.8,
+        seed=3,
+        frequency_penalty=0.7,
+        presence_penalty=0.3,
+        repetition_penalty=1.2,
+        max_tokens=NUM_TOKENS,
+        ignore_eos=True,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_path) -> tuple[LLMEngine, LLMEngine]:
+    config = EngineConfig(model=str(tiny_model_path), max_model_len=512)
+    return LLMEngine(config), LLMEngine(config)
+
+
+def _finish(engine: LLMEngine) -> None:
+    while engine.has_unfinished_requests:
+        engine.step()
+
+
+def _uninterrupted(engine: LLMEngine, params: SamplingParams) -> list[int]:
+    request = engine.add_request("whole", PROMPT, params)
+    _finish(engine)
+    return request.output_token_ids
+
+
+@pytest.mark.parametrize("name", sorted(PARAMS))
+@pytest.mark.parametrize("num_sent", [1, 5, NUM_TOKENS - 1])
+def test_resumed_request_continues_exactly(engines, name, num_sent):
+    engine, _ = engines
+    params = PARAMS[name]
+    expected = _uninterrupted(engine, params)
+    resumed = engine.add_request("resumed", PROMPT, params, output_token_ids=expected[:num_sent])
+    _finish(engine)
+    assert resumed.output_token_ids == expected
+    assert resumed.finish_reason == "length"  # max_tokens counted the tokens it was given
+
+
+@pytest.mark.parametrize("name", ["greedy", "seeded"])
+def test_resumed_prefill_hands_off_prompt_plus_outputs(engines, name):
+    """The failover path across engines: re-prefill exports prompt + sent tokens, decode admits."""
+    prefill, decode = engines
+    params = PARAMS[name]
+    expected = _uninterrupted(prefill, params)
+    sent = expected[:4]
+    states: list[LayerState] = []
+    request = prefill.add_request("r", PROMPT, params, export=states.append, output_token_ids=sent)
+    num_state_tokens = len(PROMPT) + len(sent)
+    assert decode.reserve_transfer("r", num_state_tokens)
+    _finish(prefill)
+    assert request.finish_reason == HANDOFF and request.output_token_ids == expected[:5]
+    assert {s.prompt_len for s in states} == {num_state_tokens}
+    for state in states:
+        decode.write_transferred_state("r", state)
+    admitted = decode.admit_transferred("r", PROMPT, params, expected[4], output_token_ids=sent)
+    _finish(decode)
+    assert admitted.output_token_ids == expected
+
+
+def test_resume_refuses_what_does_not_fit(engines):
+    engine, _ = engines
+    params = SamplingParams(temperature=0, max_tokens=3)
+    with pytest.raises(ValueError, match="nothing is left to generate"):
+        engine.add_request("full", PROMPT, params, output_token_ids=[1, 2, 3])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("bad", PROMPT, params, output_token_ids=[10**9])
+    assert "full" not in engine.requests and "bad" not in engine.requests
