@@ -20,6 +20,9 @@ class StoreConfig:
     # Shared-memory arena for writers and readers on this node (None: bytes over gRPC only).
     arena_root: str | None = "/dev/shm/splitserve-arenas"
     arena_pool_bytes: int = 1 << 30  # freed regions kept for reuse (resident RAM beyond memory_bytes)
+    # Retained prefixes (registered in the prefix index) may hold this much; least recently hit
+    # go first. None: half of memory_bytes, so handoff state always has room beside them.
+    prefix_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.memory_bytes < 0 or self.disk_bytes < 0:
@@ -30,5 +33,9 @@ class StoreConfig:
             raise ValueError(
                 f"store disk tier at {self.disk_path!r} has 0 bytes; set disk_bytes or drop disk_path"
             )
+        if self.prefix_budget_bytes is None:
+            object.__setattr__(self, "prefix_budget_bytes", self.memory_bytes // 2)
+        elif self.prefix_budget_bytes < 0:
+            raise ValueError(f"prefix_budget_bytes must be >= 0 (got {self.prefix_budget_bytes})")
         if not self.default_lease_s > 0:
             raise ValueError(f"default_lease_s must be > 0 seconds (got {self.default_lease_s})")

@@ -3,6 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from splitserve.state.records import NO_PREFIX_MATCH, PrefixMatch
+
+
+@dataclass(frozen=True)
+class _Registration:
+    key: str
+    tail: tuple[int, ...]  # tokens past the last whole unit
+    num_tokens: int  # tokens the state covers (0: unknown, whole units only)
+
+    def matches(self, token_ids: Sequence[int] | None) -> bool:
+        """Whether a query whose chain agrees on this entry's units also agrees on its tail
+        (and, given its tokens, is at least as long)."""
+        if token_ids is None:
+            return not self.tail
+        if self.num_tokens and self.num_tokens > len(token_ids):
+            return False
+        start = self.num_tokens - len(self.tail)
+        return not self.tail or tuple(token_ids[start : self.num_tokens]) == self.tail
 
 
 class PrefixIndex:
@@ -10,45 +30,70 @@ class PrefixIndex:
 
     A chain's element i names the whole prompt up to prefix unit i (each hash covers the ones
     before it), so a key registered under chain[:n] answers any query whose element n-1 is equal.
+    A state that ends inside a unit (a prompt's end) is registered under its whole units plus
+    its tail tokens, and answers only queries whose tokens continue with that tail.
     Registering is the writer's promise that the key holds every MLA layer's KV and a KDA state
     snapshot at exactly that boundary (docs/ARCHITECTURE.md: a prefix hit is all or nothing); the index
     only remembers it. Not thread-safe (the store locks); owns no state bytes.
     """
 
     def __init__(self) -> None:
-        self._keys_by_hash: dict[bytes, list[str]] = {}  # most recently registered last
+        self._by_hash: dict[bytes, list[_Registration]] = {}  # most recently registered last
         self._hashes_by_key: dict[str, set[bytes]] = {}
 
     def __len__(self) -> int:
-        return len(self._keys_by_hash)
+        return len(self._by_hash)
 
-    def register(self, hash_chain: Sequence[bytes], key: str) -> int:
-        """Records that `key` holds the prefix named by `hash_chain`; returns its length in units."""
+    def __contains__(self, key: str) -> bool:
+        return key in self._hashes_by_key
+
+    def register(
+        self,
+        hash_chain: Sequence[bytes],
+        key: str,
+        tail_token_ids: Sequence[int] = (),
+        num_tokens: int = 0,
+    ) -> int:
+        """Records that `key` holds the prefix named by `hash_chain` (+ `tail_token_ids`, the
+        tokens past its last whole unit, with `num_tokens` in all); returns its length in units."""
         if not hash_chain:
             raise ValueError(f"cannot register key {key!r} under an empty prefix-hash chain")
+        tail = tuple(int(t) for t in tail_token_ids)
+        if tail and num_tokens <= len(tail):
+            raise ValueError(
+                f"key {key!r}: a tail of {len(tail)} tokens needs num_tokens (got {num_tokens}) to "
+                "say where it starts"
+            )
         last = bytes(hash_chain[-1])
-        keys = self._keys_by_hash.setdefault(last, [])
-        if key in keys:
-            keys.remove(key)
-        keys.append(key)
+        entries = self._by_hash.setdefault(last, [])
+        entries[:] = [e for e in entries if e.key != key]
+        entries.append(_Registration(key, tail, num_tokens))
         self._hashes_by_key.setdefault(key, set()).add(last)
         return len(hash_chain)
 
     def longest_match(
-        self, hash_chain: Sequence[bytes], usable: Callable[[str], bool]
-    ) -> tuple[int, str | None]:
-        """(units, key) of the longest registered prefix of `hash_chain` whose key is `usable`;
-        (0, None) when there is none. Among keys for one prefix the latest registered wins."""
+        self,
+        hash_chain: Sequence[bytes],
+        usable: Callable[[str], bool],
+        token_ids: Sequence[int] | None = None,
+    ) -> PrefixMatch:
+        """The longest registered prefix of `hash_chain` (and `token_ids`, if given) whose key is
+        `usable`. Among keys for one prefix the one covering most tokens wins, then the latest."""
         for num_units in range(len(hash_chain), 0, -1):
-            for key in reversed(self._keys_by_hash.get(bytes(hash_chain[num_units - 1]), ())):
-                if usable(key):
-                    return num_units, key
-        return 0, None
+            best: _Registration | None = None
+            for entry in reversed(self._by_hash.get(bytes(hash_chain[num_units - 1]), ())):
+                better = best is None or entry.num_tokens > best.num_tokens
+                if better and entry.matches(token_ids) and usable(entry.key):
+                    best = entry
+            if best is not None:
+                return PrefixMatch(num_units, best.key, best.num_tokens)
+        return NO_PREFIX_MATCH
 
     def forget(self, key: str) -> None:
-        """Drops every registration of `key` (it was released, expired or evicted)."""
+        """Drops every registration of `key` (it was released, expired, evicted or corrupt)."""
         for digest in self._hashes_by_key.pop(key, ()):
-            keys = self._keys_by_hash[digest]
-            keys.remove(key)
-            if not keys:
-                del self._keys_by_hash[digest]
+            entries = [e for e in self._by_hash[digest] if e.key != key]
+            if entries:
+                self._by_hash[digest] = entries
+            else:
+                del self._by_hash[digest]

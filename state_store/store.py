@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -21,7 +22,7 @@ from splitserve.state.errors import (
     StateTimeoutError,
     StoreFullError,
 )
-from splitserve.state.records import KeyInfo, ReleaseResult, StoreStats
+from splitserve.state.records import KeyInfo, PrefixMatch, ReleaseResult, StoreStats
 from state_store.arena import Arena
 from state_store.config import StoreConfig
 from state_store.disk_tier import DiskTier
@@ -31,6 +32,7 @@ from state_store.memory_tier import MemoryTier
 from state_store.polled_reads import PolledReads
 from state_store.prefix_index import PrefixIndex
 from state_store.region_writes import RegionWrites
+from state_store.retained import RetainedPrefixes
 from state_store.tier import Tier
 from state_store.tiered import RegionId, TieredStorage
 
@@ -48,6 +50,9 @@ class StateStore(RegionWrites, PolledReads):
     * Chunks go to the memory tier; what it evicts spills to the disk tier; what the disk tier
       evicts takes its whole key with it. Pinned keys are never evicted.
     * Every key has an owner and a lease; expiry is checked on every call and by `expire()`.
+    * A key registered in the prefix index (a retained prefix) loses its lease: it stays until
+      the tiers evict it, the retained prefixes outgrow `prefix_budget_bytes` (least recently hit
+      first), it is released, or a piece of it reads corrupt; then the index forgets it.
     * With an `arena`, a writer on the node may `allocate` a shared-memory region for a key, fill
       it, and `put_region` its chunks: their bytes stay in the region (counted and pinned in the
       memory tier) until the key goes, and are checksum-verified by whoever reads them.
@@ -64,6 +69,7 @@ class StateStore(RegionWrites, PolledReads):
         clock: Clock = time.monotonic,
         num_tombstones: int = 65536,
         arena: Arena | None = None,
+        prefix_budget_bytes: int | None = None,
     ) -> None:
         self._tiers = TieredStorage(memory, disk)
         self.arena = arena
@@ -74,6 +80,7 @@ class StateStore(RegionWrites, PolledReads):
         self._key_created = threading.Condition(self._lock)  # readers waiting for a first put
         self._leases = LeaseTable(clock)
         self._prefixes = PrefixIndex()
+        self._retained = RetainedPrefixes(prefix_budget_bytes, lambda key: self._entries[key].num_bytes)
         self._tombstones = Tombstones(num_tombstones)
         self._stats = StoreStats()
         self._closed = False
@@ -90,6 +97,7 @@ class StateStore(RegionWrites, PolledReads):
             clock=clock,
             num_tombstones=config.num_tombstones,
             arena=Arena.open_default(config.arena_root, config.arena_pool_bytes),
+            prefix_budget_bytes=config.prefix_budget_bytes,
         )
 
     # ---- writes ---------------------------------------------------------------------------
@@ -205,20 +213,46 @@ class StateStore(RegionWrites, PolledReads):
                 tuple(entry.metas[cid] for cid in entry.order),
             )
 
-    def register(self, hash_chain: Sequence[bytes], key: str) -> None:
-        """Records that `key` holds the complete state of the prefix named by `hash_chain`."""
+    def register(
+        self,
+        hash_chain: Sequence[bytes],
+        key: str,
+        *,
+        tail_token_ids: Sequence[int] = (),
+        num_tokens: int = 0,
+    ) -> None:
+        """Records that `key` holds the complete state of the prefix named by `hash_chain` (and
+        `tail_token_ids` past its last unit; `num_tokens` in all) and retains the key: no lease
+        expiry from now on (see the class docstring for what ends it)."""
         with self._lock:
             self._expire_locked()
             self._live_locked(key)
-            self._prefixes.register(hash_chain, key)
+            self._prefixes.register(hash_chain, key, tail_token_ids, num_tokens)
+            if key not in self._retained:
+                self._leases.renew(key, math.inf)
+                self._retained.add(key)
+            for victim in self._retained.over_budget():
+                self._evict_locked(victim, "the retained prefixes outgrew the store's prefix_budget_bytes")
 
     def longest_match(self, hash_chain: Sequence[bytes]) -> tuple[int, str | None]:
-        """(units, key) of the longest registered, sealed prefix of `hash_chain`; (0, None) if none."""
+        """(units, key) of the longest registered, sealed prefix of `hash_chain` ending on a unit
+        boundary; (0, None) if none (`match_prefix` also says how many tokens)."""
+        found = self.match_prefix(hash_chain)
+        return found.num_units, found.key
+
+    def match_prefix(
+        self, hash_chain: Sequence[bytes], token_ids: Sequence[int] | None = None
+    ) -> PrefixMatch:
+        """(units, key, tokens) of the longest registered, sealed prefix of `hash_chain` (whose
+        tail, if it ends inside a unit, continues `token_ids`); (0, None, 0) if none."""
         with self._lock:
             self._expire_locked()
-            found = self._prefixes.longest_match(hash_chain, self._is_sealed_locked)
-            if found[1] is not None:
+            found = self._prefixes.longest_match(hash_chain, self._is_sealed_locked, token_ids)
+            self._stats.num_prefix_lookups += 1
+            if found.key is not None:
                 self._stats.num_prefix_hits += 1
+                self._stats.num_prefix_hit_tokens += found.num_tokens
+                self._retained.touch(found.key)
             return found
 
     # ---- lifetime -------------------------------------------------------------------------
@@ -278,6 +312,8 @@ class StateStore(RegionWrites, PolledReads):
         with self._lock:
             self._expire_locked()
             self._stats.num_spills = self._tiers.num_spills
+            self._stats.num_prefix_keys = len(self._retained)
+            self._stats.num_prefix_bytes = self._retained.num_bytes
             counters = {k: v for k, v in vars(self._stats).items() if k not in ("tiers", "num_keys")}
             return StoreStats(tiers=self._tiers.stats(), num_keys=len(self._entries), **counters)
 
@@ -375,6 +411,10 @@ class StateStore(RegionWrites, PolledReads):
             self._tiers.remove(RegionId(entry.key, region.name))
             if self.arena is not None:
                 self.arena.free(region)
+        if entry.key in self._retained:
+            self._retained.discard(entry.key)
+            if cls is not StateReleasedError:  # evicted or corrupt, not freed on purpose
+                self._stats.num_prefix_evictions += 1
         del self._entries[entry.key]
         self._leases.drop(entry.key)
         self._prefixes.forget(entry.key)

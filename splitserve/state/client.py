@@ -11,7 +11,7 @@ import grpc
 from splitserve import rpc
 from splitserve.state.chunk import Chunk, StateKind
 from splitserve.state.errors import StateUnavailableError
-from splitserve.state.records import KeyInfo, ReleaseResult, StoreStats
+from splitserve.state.records import NO_PREFIX_MATCH, KeyInfo, PrefixMatch, ReleaseResult, StoreStats
 from splitserve.state.shm import LocalArena, first_region_bytes
 from splitserve.state.status import error_from_rpc
 from splitserve.state.streams import ChunkStream, PutStream
@@ -177,14 +177,36 @@ class StateStoreClient:
         return key_info_from_proto(reply)
 
     def longest_match(self, hash_chain: Sequence[bytes]) -> tuple[int, str | None]:
-        prefix = store_pb2.PrefixHashes(hashes=list(hash_chain))
-        reply = self._call(
-            lambda: self._stub.Lookup(store_pb2.LookupRequest(prefix=prefix), timeout=self.timeout_s)
-        )
-        return (reply.num_units, reply.key) if reply.found else (0, None)
+        found = self.match_prefix(hash_chain)
+        return found.num_units, found.key
 
-    def register(self, hash_chain: Sequence[bytes], key: str) -> None:
-        request = store_pb2.RegisterRequest(key=key, prefix=store_pb2.PrefixHashes(hashes=list(hash_chain)))
+    def match_prefix(
+        self, hash_chain: Sequence[bytes], token_ids: Sequence[int] | None = None
+    ) -> PrefixMatch:
+        """The longest prefix of `hash_chain` this store holds a complete state of. With the
+        prompt's `token_ids`, states ending inside a unit match too, none longer than them."""
+        request = store_pb2.LookupRequest(
+            prefix=store_pb2.PrefixHashes(hashes=list(hash_chain)), token_ids=list(token_ids or ())
+        )
+        reply = self._call(lambda: self._stub.Lookup(request, timeout=self.timeout_s))
+        return PrefixMatch(reply.num_units, reply.key, reply.num_tokens) if reply.found else NO_PREFIX_MATCH
+
+    def register(
+        self,
+        hash_chain: Sequence[bytes],
+        key: str,
+        *,
+        tail_token_ids: Sequence[int] = (),
+        num_tokens: int = 0,
+    ) -> None:
+        """Advertises `key` as the complete state of `hash_chain` (+ `tail_token_ids`, `num_tokens`
+        in all); the store then keeps it until it must evict it (see `StateStore.register`)."""
+        request = store_pb2.RegisterRequest(
+            key=key,
+            prefix=store_pb2.PrefixHashes(hashes=list(hash_chain)),
+            tail_token_ids=list(tail_token_ids),
+            num_tokens=num_tokens,
+        )
         self._call(lambda: self._stub.Register(request, timeout=self.timeout_s))
 
     def renew(self, key: str, lease_s: float) -> float:

@@ -25,6 +25,18 @@ class KeyInfo:
         return len({c.layer for c in self.chunks})
 
 
+class PrefixMatch(NamedTuple):
+    """The longest stored prefix of a query: its whole units, the key holding its state and the
+    tokens that state covers (units plus a tail inside the next unit). (0, None, 0): none."""
+
+    num_units: int
+    key: str | None
+    num_tokens: int
+
+
+NO_PREFIX_MATCH = PrefixMatch(0, None, 0)
+
+
 class ReleaseResult(NamedTuple):
     """What a release freed."""
 
@@ -58,6 +70,11 @@ class StoreStats:
     num_expiries: int = 0
     num_releases: int = 0
     num_corruptions: int = 0
+    num_prefix_lookups: int = 0  # prefix queries answered
+    num_prefix_hit_tokens: int = 0  # tokens their hits covered
+    num_prefix_evictions: int = 0  # retained prefixes dropped (budget, tiers, corruption)
+    num_prefix_keys: int = 0  # retained prefixes held now
+    num_prefix_bytes: int = 0  # their bytes now
 
     @property
     def num_bytes(self) -> int:

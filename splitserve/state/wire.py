@@ -28,6 +28,11 @@ _COUNTERS = (
     "num_expiries",
     "num_releases",
     "num_corruptions",
+    "num_prefix_lookups",
+    "num_prefix_hit_tokens",
+    "num_prefix_evictions",
+    "num_prefix_keys",
+    "num_prefix_bytes",
 )
 
 
@@ -97,13 +102,16 @@ def is_seal(msg: common_pb2.StateChunk) -> bool:
     return msg.final and msg.kind == common_pb2.STATE_KIND_UNSPECIFIED and not msg.data
 
 
-def key_info_to_proto(info: KeyInfo | None, num_units: int = 0) -> store_pb2.LookupResponse:
+def key_info_to_proto(
+    info: KeyInfo | None, num_units: int = 0, num_tokens: int = 0
+) -> store_pb2.LookupResponse:
     if info is None:
         return store_pb2.LookupResponse(found=False)
     return store_pb2.LookupResponse(
         found=True,
         key=info.key,
         num_units=num_units,
+        num_tokens=num_tokens,
         owner=info.owner,
         sealed=info.sealed,
         num_bytes=info.num_bytes,

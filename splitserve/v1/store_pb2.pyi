@@ -30,12 +30,14 @@ class GetRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ..., wait_for_key: _Optional[bool] = ..., regions: _Optional[bool] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("key", "prefix")
+    __slots__ = ("key", "prefix", "token_ids")
     KEY_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     key: str
     prefix: PrefixHashes
-    def __init__(self, key: _Optional[str] = ..., prefix: _Optional[_Union[PrefixHashes, _Mapping]] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, key: _Optional[str] = ..., prefix: _Optional[_Union[PrefixHashes, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefixHashes(_message.Message):
     __slots__ = ("hashes",)
@@ -44,7 +46,7 @@ class PrefixHashes(_message.Message):
     def __init__(self, hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("found", "key", "num_units", "owner", "sealed", "num_bytes", "num_layers", "lease_expiry_unix_s", "chunks")
+    __slots__ = ("found", "key", "num_units", "owner", "sealed", "num_bytes", "num_layers", "lease_expiry_unix_s", "chunks", "num_tokens")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     NUM_UNITS_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +56,7 @@ class LookupResponse(_message.Message):
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRY_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     found: bool
     key: str
     num_units: int
@@ -63,15 +66,20 @@ class LookupResponse(_message.Message):
     num_layers: int
     lease_expiry_unix_s: float
     chunks: _containers.RepeatedCompositeFieldContainer[_common_pb2.StateChunk]
-    def __init__(self, found: _Optional[bool] = ..., key: _Optional[str] = ..., num_units: _Optional[int] = ..., owner: _Optional[str] = ..., sealed: _Optional[bool] = ..., num_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., lease_expiry_unix_s: _Optional[float] = ..., chunks: _Optional[_Iterable[_Union[_common_pb2.StateChunk, _Mapping]]] = ...) -> None: ...
+    num_tokens: int
+    def __init__(self, found: _Optional[bool] = ..., key: _Optional[str] = ..., num_units: _Optional[int] = ..., owner: _Optional[str] = ..., sealed: _Optional[bool] = ..., num_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., lease_expiry_unix_s: _Optional[float] = ..., chunks: _Optional[_Iterable[_Union[_common_pb2.StateChunk, _Mapping]]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("key", "prefix")
+    __slots__ = ("key", "prefix", "tail_token_ids", "num_tokens")
     KEY_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
+    TAIL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     key: str
     prefix: PrefixHashes
-    def __init__(self, key: _Optional[str] = ..., prefix: _Optional[_Union[PrefixHashes, _Mapping]] = ...) -> None: ...
+    tail_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    def __init__(self, key: _Optional[str] = ..., prefix: _Optional[_Union[PrefixHashes, _Mapping]] = ..., tail_token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ()
@@ -128,7 +136,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., num_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., num_objects: _Optional[int] = ..., num_pinned: _Optional[int] = ..., num_keys: _Optional[int] = ...) -> None: ...
 
 class StoreStats(_message.Message):
-    __slots__ = ("tiers", "num_keys", "num_hits", "num_misses", "num_prefix_hits", "num_spills", "num_evictions", "num_expiries", "num_releases", "num_corruptions")
+    __slots__ = ("tiers", "num_keys", "num_hits", "num_misses", "num_prefix_hits", "num_spills", "num_evictions", "num_expiries", "num_releases", "num_corruptions", "num_prefix_lookups", "num_prefix_hit_tokens", "num_prefix_evictions", "num_prefix_keys", "num_prefix_bytes")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KEYS_FIELD_NUMBER: _ClassVar[int]
     NUM_HITS_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +147,11 @@ class StoreStats(_message.Message):
     NUM_EXPIRIES_FIELD_NUMBER: _ClassVar[int]
     NUM_RELEASES_FIELD_NUMBER: _ClassVar[int]
     NUM_CORRUPTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFIX_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFIX_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFIX_KEYS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFIX_BYTES_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     num_keys: int
     num_hits: int
@@ -149,7 +162,12 @@ class StoreStats(_message.Message):
     num_expiries: int
     num_releases: int
     num_corruptions: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_keys: _Optional[int] = ..., num_hits: _Optional[int] = ..., num_misses: _Optional[int] = ..., num_prefix_hits: _Optional[int] = ..., num_spills: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_expiries: _Optional[int] = ..., num_releases: _Optional[int] = ..., num_corruptions: _Optional[int] = ...) -> None: ...
+    num_prefix_lookups: int
+    num_prefix_hit_tokens: int
+    num_prefix_evictions: int
+    num_prefix_keys: int
+    num_prefix_bytes: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_keys: _Optional[int] = ..., num_hits: _Optional[int] = ..., num_misses: _Optional[int] = ..., num_prefix_hits: _Optional[int] = ..., num_spills: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_expiries: _Optional[int] = ..., num_releases: _Optional[int] = ..., num_corruptions: _Optional[int] = ..., num_prefix_lookups: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_prefix_evictions: _Optional[int] = ..., num_prefix_keys: _Optional[int] = ..., num_prefix_bytes: _Optional[int] = ...) -> None: ...
 
 class ArenaRequest(_message.Message):
     __slots__ = ()
