@@ -55,6 +55,9 @@ def gateway_settings_kwargs(config: ClusterConfig, model_path: str | None) -> di
         "port": config.gateway.port,
         "api_keys": list(config.gateway.api_keys),
         "drain_timeout_s": config.health.drain_timeout_s,
+        "enable_prefix_caching": config.cache.enable_prefix_caching,
+        "prefix_unit": config.cache.prefix_unit,
+        "router_policy": config.router.policy,
     }
     max_model_len = served_max_model_len(config, model_path)
     if max_model_len is not None:  # else the gateway's own default applies

@@ -17,13 +17,15 @@ from fastapi import Depends, FastAPI
 
 from frontend.admission import Admission, AdmissionMiddleware
 from frontend.auth import api_key_checker
+from frontend.cache_monitor import CacheMonitor
 from frontend.clients import WorkerClients
 from frontend.errors import install_error_handlers
 from frontend.generate import Pipeline
 from frontend.load_monitor import LoadMonitor
 from frontend.metrics import GatewayMetrics
+from frontend.prefix_metrics import PrefixMetrics
 from frontend.response_counter import CountResponses
-from frontend.router import LeastLoadRouter, Router
+from frontend.router import Router, make_router
 from frontend.routes import chat, completions, health, metrics, models
 from frontend.settings import GatewaySettings
 from splitserve.tokenizer import Tokenizer
@@ -37,15 +39,24 @@ def build_app(
 ) -> FastAPI:
     """The gateway app. No tokenizer (None, or a folder without tokenizer.json): token ids only."""
     tokenizer = Tokenizer.maybe_load(tokenizer_path) if tokenizer_path is not None else None
-    router = router if router is not None else LeastLoadRouter()
+    router = router if router is not None else make_router(settings.router_policy, settings.prefix_unit)
     clients = clients if clients is not None else WorkerClients(settings.rpc_timeout_s)
     gateway_metrics = GatewayMetrics(settings.model_name)
     monitor = LoadMonitor(router, clients, gateway_metrics, settings.stats_refresh_s)
-    pipeline = Pipeline(settings, router, clients, gateway_metrics, tokenizer, monitor.on_route)
+    prefix_metrics = PrefixMetrics(gateway_metrics)
+    cache_monitor = (
+        CacheMonitor(router, clients, prefix_metrics, settings.stats_refresh_s)
+        if settings.enable_prefix_caching
+        else None
+    )
+    pipeline = Pipeline(
+        settings, router, clients, gateway_metrics, tokenizer, monitor.on_route, prefix_metrics
+    )
 
-    app = FastAPI(title="splitserve gateway", lifespan=_lifespan(monitor, clients))
+    app = FastAPI(title="splitserve gateway", lifespan=_lifespan(monitor, clients, cache_monitor))
     app.state.pipeline = pipeline
     app.state.monitor = monitor
+    app.state.cache_monitor = cache_monitor
     app.state.admission = admission = Admission()
     install_error_handlers(app)
     app.add_middleware(AdmissionMiddleware, admission=admission)
@@ -59,17 +70,22 @@ def build_app(
 
 
 def _lifespan(
-    monitor: LoadMonitor, clients: WorkerClients
+    monitor: LoadMonitor, clients: WorkerClients, cache_monitor: CacheMonitor | None = None
 ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
-    """What runs while the app serves: the load monitor; on the way out, the channels close."""
+    """What runs while the app serves: the load monitor (and the prefix cache poll, with caching
+    on); on the way out, the channels close."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         monitor.start()
+        if cache_monitor is not None:
+            cache_monitor.start()
         try:
             yield
         finally:
             await monitor.stop()
+            if cache_monitor is not None:
+                await cache_monitor.stop()
             await clients.close()
 
     return lifespan

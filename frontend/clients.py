@@ -106,6 +106,10 @@ class WorkerClients:
         call = self._decode(address).Stats(decode_pb2.DecodeStatsRequest(), timeout=self.rpc_timeout_s)
         return await _unary(call, "Decode.Stats", address)
 
+    async def cache_report(self, address: str) -> prefill_pb2.PrefixCacheReport:
+        call = self._prefill(address).CacheReport(prefill_pb2.CacheReportRequest(), timeout=self.rpc_timeout_s)
+        return await _unary(call, "Prefill.CacheReport", address)
+
     async def store_stats(self, address: str) -> store_pb2.StoreStats:
         stub = store_pb2_grpc.StateStoreStub(self._channel(address))
         call = stub.Stats(store_pb2.StatsRequest(), timeout=self.rpc_timeout_s)

@@ -22,9 +22,11 @@ import anyio
 from frontend.clients import DecodeStream, WorkerClients
 from frontend.errors import GatewayError, over_capacity, unavailable
 from frontend.metrics import GatewayMetrics
+from frontend.prefix_metrics import PrefixMetrics
 from frontend.router import Router
 from frontend.settings import GatewaySettings
 from frontend.steps import OutputSteps, Step
+from splitserve.prefix_hash import prefix_hash_chain
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokenizer import Tokenizer
 from splitserve.v1 import common_pb2, decode_pb2, prefill_pb2
@@ -43,6 +45,14 @@ class Pipeline:
     metrics: GatewayMetrics
     tokenizer: Tokenizer | None
     on_route: Callable[[str], None] = field(default=lambda store_address: None)
+    prefix_metrics: PrefixMetrics | None = None
+
+    def prefix_hashes(self, prompt_ids: list[int]) -> list[bytes]:
+        """The prompt's prefix chain, salted with the served model name; empty with caching off."""
+        if not self.settings.enable_prefix_caching:
+            return []
+        salt = self.settings.model_name.encode()
+        return prefix_hash_chain(prompt_ids, self.settings.prefix_unit, salt)
 
 
 class Generation:
@@ -59,6 +69,8 @@ class Generation:
         self.p = pipeline
         self.request_id = request_id
         self.prompt_ids = prompt_ids
+        self.prefix_hashes = pipeline.prefix_hashes(prompt_ids)  # once per prompt
+        self.num_cached_tokens = 0  # prompt tokens the prefill served from a prefix cache
         self.params = params
         self.arrival_s = arrival_s
         self.deadline_s = arrival_s + pipeline.settings.request_timeout_s
@@ -85,8 +97,11 @@ class Generation:
 
     async def start(self) -> Step:
         """Reserve a decode slot, run the prefill; the first step (maybe already final)."""
-        decode_candidates = self.p.router.rank_decode(len(self.prompt_ids), self.params.max_tokens or 0)
-        prefill_address = self.p.router.pick_prefill(len(self.prompt_ids))
+        num_prompt_tokens = len(self.prompt_ids)
+        decode_candidates = self.p.router.rank_decode(
+            num_prompt_tokens, self.params.max_tokens or 0, self.prefix_hashes
+        )
+        prefill_address = self.p.router.pick_prefill(num_prompt_tokens, self.prefix_hashes)
         if not decode_candidates:
             raise unavailable("no decode workers are available; try again later")
         if prefill_address is None:
@@ -98,7 +113,7 @@ class Generation:
             if self._decode_address in self.p.router.prefill_addresses:
                 prefill_address = self._decode_address  # colocated: the engine holding the room prefills
         response = await self._prefill(prefill_address, reservation)
-        self._observe_prefill(response.timing)
+        self._observe_prefill(response)
         step = self._output.step(
             [response.first_token_id],
             [response.first_logprobs] if response.HasField("first_logprobs") else [],
@@ -202,10 +217,12 @@ class Generation:
             sampling_params_to_proto(self.params),
             reservation,
             self.p.settings.state_lease_s,
+            self.prefix_hashes,
         )
         self._prefill_address = address
         self._prefill_in_flight = True
         self.p.router.on_prefill_start(address, len(self.prompt_ids))
+        self.p.router.on_prefix_sent(address, self.prefix_hashes)
         try:
             response = await self.p.clients.prefill(address, request, self._remaining_s())
             self._prefill_in_flight = False
@@ -213,7 +230,11 @@ class Generation:
         finally:
             self.p.router.on_prefill_end(address, len(self.prompt_ids))
 
-    def _observe_prefill(self, timing: prefill_pb2.PrefillTiming) -> None:
+    def _observe_prefill(self, response: prefill_pb2.PrefillResponse) -> None:
+        self.num_cached_tokens = response.num_cached_tokens
+        if self.p.prefix_metrics is not None:
+            self.p.prefix_metrics.observe_prefill(len(self.prompt_ids), response.num_cached_tokens)
+        timing = response.timing
         metrics = self.p.metrics
         metrics.queue.labels(metrics.model_name, "prefill").observe(timing.queue_s)
         if timing.state_bytes:

@@ -11,6 +11,7 @@ from frontend.protocol import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,
+    PromptTokensDetails,
     TopLogprob,
     UsageInfo,
 )
@@ -31,13 +32,14 @@ def concat_steps(steps: list[Step]) -> Step:
 
 
 def usage_of(gens: list[Generation]) -> UsageInfo:
-    """Prompt and generated tokens of a request's generations, as they stand."""
+    """Prompt, cached prompt and generated tokens of a request's generations, as they stand."""
     num_prompt_tokens = sum(len(g.prompt_ids) for g in gens)
     num_completion_tokens = sum(g.num_generated_tokens for g in gens)
     return UsageInfo(
         prompt_tokens=num_prompt_tokens,
         completion_tokens=num_completion_tokens,
         total_tokens=num_prompt_tokens + num_completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(g.num_cached_tokens for g in gens)),
     )
 
 

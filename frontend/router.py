@@ -1,7 +1,9 @@
-"""Which workers a request goes to: the `Router` contract and the least-load policy.
+"""Which workers a request goes to: the `Router` contract, the least-load and round-robin
+policies, and `make_router` (the policy by name; prefix-aware lives in `frontend.prefix_router`).
 
 A router only decides; it never talks to a worker. The app feeds it what it learns (decode
-Stats, prefill starts and ends) and asks it for candidates in order of preference.
+Stats, prefill starts and ends, the prefill workers' cache reports) and asks it for
+candidates in order of preference.
 """
 
 from __future__ import annotations
@@ -11,6 +13,11 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
+
+from frontend.prefix_index import CacheEvent
+
+RouterPolicy = Literal["prefix_aware", "least_load", "round_robin"]
 
 
 @dataclass(frozen=True)
@@ -52,11 +59,14 @@ class Router(ABC):
     def decode_addresses(self) -> tuple[str, ...]: ...
 
     @abstractmethod
-    def pick_prefill(self, num_prompt_tokens: int) -> str | None:
-        """The prefill worker for a prompt, or None when the pool is empty."""
+    def pick_prefill(self, num_prompt_tokens: int, prefix_hashes: Sequence[bytes] = ()) -> str | None:
+        """The prefill worker for a prompt (whose prefix chain is `prefix_hashes`), or None when
+        the pool is empty."""
 
     @abstractmethod
-    def rank_decode(self, num_prompt_tokens: int, max_tokens: int) -> list[str]:
+    def rank_decode(
+        self, num_prompt_tokens: int, max_tokens: int, prefix_hashes: Sequence[bytes] = ()
+    ) -> list[str]:
         """Decode workers to try for a reservation, best first."""
 
     def on_prefill_start(self, address: str, num_prompt_tokens: int) -> None:  # noqa: B027
@@ -70,6 +80,14 @@ class Router(ABC):
 
     def observe_decode_load(self, address: str, load: DecodeLoad | None) -> None:  # noqa: B027
         """Fresh Stats from `address`; None when it did not answer."""
+
+    def on_prefix_sent(self, address: str, prefix_hashes: Sequence[bytes]) -> None:  # noqa: B027
+        """A prompt with this prefix chain was sent to prefill worker `address`."""
+
+    def observe_cache_events(  # noqa: B027
+        self, address: str, instance_id: str, events: Sequence[CacheEvent]
+    ) -> None:
+        """The prefix events prefill worker `address` (engine `instance_id`) reported."""
 
 
 class LeastLoadRouter(Router):
@@ -110,23 +128,28 @@ class LeastLoadRouter(Router):
     def decode_addresses(self) -> tuple[str, ...]:
         return self._decode
 
-    def pick_prefill(self, num_prompt_tokens: int) -> str | None:
+    def pick_prefill(self, num_prompt_tokens: int, prefix_hashes: Sequence[bytes] = ()) -> str | None:
         with self._lock:
             if not self._prefill:
                 return None
-            offset = next(self._prefill_tiebreak)
-            n = len(self._prefill)
-            order = [self._prefill[(offset + i) % n] for i in range(n)]
-            return min(order, key=lambda a: self._outstanding.get(a, 0))
+            return min(self._prefill_rotation(), key=lambda a: self._outstanding.get(a, 0))
 
-    def rank_decode(self, num_prompt_tokens: int, max_tokens: int) -> list[str]:
+    def rank_decode(
+        self, num_prompt_tokens: int, max_tokens: int, prefix_hashes: Sequence[bytes] = ()
+    ) -> list[str]:
         with self._lock:
-            n = len(self._decode)
-            if n == 0:
-                return []
-            offset = next(self._decode_tiebreak)
-            order = [self._decode[(offset + i) % n] for i in range(n)]
-            return sorted(order, key=self._decode_key)
+            return sorted(self._decode_rotation(), key=self._decode_key)
+
+    def _prefill_rotation(self) -> list[str]:
+        """The prefill pool, starting one further each call (how ties rotate)."""
+        offset = next(self._prefill_tiebreak)
+        n = len(self._prefill)
+        return [self._prefill[(offset + i) % n] for i in range(n)]
+
+    def _decode_rotation(self) -> list[str]:
+        offset = next(self._decode_tiebreak)
+        n = len(self._decode)
+        return [self._decode[(offset + i) % n] for i in range(n)]
 
     def _decode_key(self, address: str) -> tuple[int, float]:
         if address not in self._loads:
@@ -166,3 +189,32 @@ class LeastLoadRouter(Router):
 
     def outstanding_prefill_tokens(self, address: str) -> int:
         return self._outstanding.get(address, 0)
+
+
+class RoundRobinRouter(LeastLoadRouter):
+    """Each request goes one worker further along each pool, whatever the load or cache: the
+    baseline the other policies are measured against. Decode candidates keep rotation order."""
+
+    def pick_prefill(self, num_prompt_tokens: int, prefix_hashes: Sequence[bytes] = ()) -> str | None:
+        with self._lock:
+            return self._prefill_rotation()[0] if self._prefill else None
+
+    def rank_decode(
+        self, num_prompt_tokens: int, max_tokens: int, prefix_hashes: Sequence[bytes] = ()
+    ) -> list[str]:
+        with self._lock:
+            return self._decode_rotation()
+
+
+def make_router(policy: RouterPolicy, prefix_unit: int) -> Router:
+    """The router for `router.policy`; `prefix_unit` is the tokens each prefix hash covers."""
+    if policy == "least_load":
+        return LeastLoadRouter()
+    if policy == "round_robin":
+        return RoundRobinRouter()
+    if policy == "prefix_aware":
+        # Imported here: the prefix-aware router builds on LeastLoadRouter from this module.
+        from frontend.prefix_router import PrefixAwareRouter
+
+        return PrefixAwareRouter(prefix_unit=prefix_unit)
+    raise ValueError(f"router.policy must be prefix_aware, least_load or round_robin (got {policy!r})")

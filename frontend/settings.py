@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -27,4 +29,13 @@ class GatewaySettings(BaseModel):
     drain_timeout_s: float = Field(
         30.0, ge=0, description="on stop, how long requests in flight may take to finish"
     )
-    stats_refresh_s: float = Field(0.5, gt=0, description="how often decode Stats are re-read")
+    stats_refresh_s: float = Field(
+        0.5, gt=0, description="how often decode Stats and prefill cache reports are re-read"
+    )
+    enable_prefix_caching: bool = Field(
+        True, description="hash each prompt's prefix chain and send it with the prefill (cache.*)"
+    )
+    prefix_unit: int = Field(64, ge=1, description="tokens per prefix hash (cache.prefix_unit)")
+    router_policy: Literal["prefix_aware", "least_load", "round_robin"] = Field(
+        "prefix_aware", description="how workers are picked (router.policy)"
+    )

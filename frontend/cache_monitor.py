@@ -1,0 +1,68 @@
+"""Feeds the router the prefill workers' prefix events, and the metrics their cache counters.
+
+Why a poll: the engine publishes an event when a prefix unit becomes a usable hit and when it
+stops being one (`LLMEngine.take_prefix_events`), and a cluster has one gateway, so the
+gateway draining each worker's events every `refresh_s` (`Prefill.CacheReport`) sees each
+once, off every request's path. Between polls the router still has its own record of where it
+sent which chain, so a burst of requests sharing a new prefix sticks together at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from frontend.clients import WorkerClients
+from frontend.errors import GatewayError
+from frontend.prefix_index import CacheEvent
+from frontend.prefix_metrics import PrefixMetrics
+from frontend.router import Router
+
+logger = logging.getLogger(__name__)
+
+
+class CacheMonitor:
+    """Owns the polling task; `start()`/`stop()` run on the app's event loop. A worker that does
+    not answer (or predates the RPC) keeps what the router believes of it until it does."""
+
+    def __init__(
+        self, router: Router, clients: WorkerClients, metrics: PrefixMetrics, refresh_s: float
+    ) -> None:
+        self.router = router
+        self.clients = clients
+        self.metrics = metrics
+        self.refresh_s = refresh_s
+        self.num_reports = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def refresh(self) -> None:
+        """One report from every prefill worker, applied as each answers."""
+        await asyncio.gather(*map(self._refresh_one, self.router.prefill_addresses))
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception:  # the poll must outlive any one bad answer
+                logger.exception("prefix cache report failed")
+            await asyncio.sleep(self.refresh_s)
+
+    async def _refresh_one(self, address: str) -> None:
+        try:
+            report = await self.clients.cache_report(address)
+        except GatewayError as exc:
+            logger.debug("Prefill.CacheReport on %s failed: %s", address, exc.message)
+            return
+        events = [CacheEvent(e.stored, e.block_hash, e.num_tokens) for e in report.events]
+        self.router.observe_cache_events(address, report.instance_id, events)
+        self.metrics.observe_report(address, report)
+        self.num_reports += 1

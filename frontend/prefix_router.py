@@ -1,0 +1,82 @@
+"""The prefix-aware policy (the default): send a prompt where its prefix is already cached,
+unless that worker's queue costs more than the recompute it saves."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from frontend.prefix_index import DEFAULT_MAX_ENTRIES, CacheEvent, PrefixIndex
+from frontend.router import LeastLoadRouter
+
+
+class PrefixAwareRouter(LeastLoadRouter):
+    """Prefill: the worker with the lowest cost, in prompt tokens: what this gateway already has
+    outstanding there plus the tokens of this prompt it would compute (the prompt less the
+    prefix the index says it holds). So a worker holding the prefix wins until its queue
+    outweighs the prefix; with no match anywhere this is least-load. Ties rotate.
+
+    Decode: as least-load, except that a colocated worker (one in both pools, where the decode
+    choice also runs the prefill) with room is ranked by the same prefill cost first.
+
+    Owns a `PrefixIndex` (bounded, approximate), fed by `on_prefix_sent` and the workers' cache
+    events; a worker leaving the prefill pool is dropped from it.
+    """
+
+    def __init__(
+        self,
+        prefill_addresses: Sequence[str] = (),
+        decode_addresses: Sequence[str] = (),
+        *,
+        prefix_unit: int,
+        max_index_entries: int = DEFAULT_MAX_ENTRIES,
+    ) -> None:
+        if prefix_unit < 1:
+            raise ValueError(f"prefix_unit must be at least 1 token (got {prefix_unit})")
+        self.prefix_unit = prefix_unit
+        self.index = PrefixIndex(max_index_entries)
+        super().__init__(prefill_addresses, decode_addresses)
+
+    def update_workers(self, prefill_addresses: Sequence[str], decode_addresses: Sequence[str]) -> None:
+        super().update_workers(prefill_addresses, decode_addresses)
+        with self._lock:
+            self.index.keep_only(self._prefill)
+
+    def pick_prefill(self, num_prompt_tokens: int, prefix_hashes: Sequence[bytes] = ()) -> str | None:
+        with self._lock:
+            if not self._prefill:
+                return None
+            matched = self.index.match(prefix_hashes)
+            return min(self._prefill_rotation(), key=lambda a: self._cost(a, num_prompt_tokens, matched))
+
+    def rank_decode(
+        self, num_prompt_tokens: int, max_tokens: int, prefix_hashes: Sequence[bytes] = ()
+    ) -> list[str]:
+        with self._lock:
+            order = self._decode_rotation()
+            colocated = [a for a in order if a in self._outstanding]
+            if not prefix_hashes or not colocated:
+                return sorted(order, key=self._decode_key)
+            matched = self.index.match(prefix_hashes)
+
+            def key(address: str) -> tuple[int, int, float]:
+                room, free = self._decode_key(address)
+                return room, self._cost(address, num_prompt_tokens, matched), free
+
+            return sorted(order, key=key)
+
+    def _cost(self, address: str, num_prompt_tokens: int, matched: dict[str, int]) -> int:
+        """Prompt tokens `address` would have to get through before this prompt's first token."""
+        num_cached = min(matched.get(address, 0), num_prompt_tokens)
+        return self._outstanding.get(address, 0) + num_prompt_tokens - num_cached
+
+    def on_prefix_sent(self, address: str, prefix_hashes: Sequence[bytes]) -> None:
+        with self._lock:
+            if address in self._outstanding:
+                self.index.record_sent(address, prefix_hashes, self.prefix_unit)
+
+    def observe_cache_events(self, address: str, instance_id: str, events: Sequence[CacheEvent]) -> None:
+        with self._lock:
+            if address not in self._outstanding:
+                return  # not (or no longer) a prefill worker: nothing to route by
+            self.index.observe_instance(address, instance_id)
+            self.index.apply(address, events)
