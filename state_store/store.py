@@ -433,7 +433,10 @@ class StateStore(RegionWrites, PolledReads):
                 with self._lock:
                     data = self._tiers.fetch(cid)
                     if data is None:
-                        cls, why = entry.gone or (StateEvictedError, f"{meta.describe()} is in no tier")
+                        if entry.gone is None:  # a lost piece loses the key: never serve it partial
+                            self._evict_locked(entry.key, f"{meta.describe()} is in no tier")
+                        assert entry.gone is not None
+                        cls, why = entry.gone
                         raise cls(why)
             checksum.verify(data, meta.checksum, f"{meta.describe()} as stored")
         except CorruptStateError as e:

@@ -1,0 +1,138 @@
+"""Fetches a prompt's longest stored prefix state from the stores, for a prefill that missed locally.
+
+The stores' prefix indexes name keys holding complete states (written by `PrefixPublisher`);
+the fetcher asks each store it knows for the longest match of the request's hash chain (and its
+tokens, for states that end inside a unit), streams the longest one in, decodes it into layer
+states and checks it is whole before the engine sees it. It runs on the request's own thread,
+never the engine's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from splitserve.engine.model.kimi_linear import LayerCaches
+from splitserve.engine.prefix_cache.imported import ImportedPrefix
+from splitserve.engine.state_codec import decode
+from splitserve.engine.state_transfer import LayerState, cache_for
+from splitserve.state import StateKind
+from splitserve.state.client import StateStoreClient
+from splitserve.state.errors import CorruptStateError, StateStoreError
+from splitserve.state.records import NO_PREFIX_MATCH, PrefixMatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FetcherStats:
+    """What the fetcher did since it started (counters only grow)."""
+
+    num_lookups: int = 0  # requests the stores were asked about
+    num_hits: int = 0  # states imported
+    num_hit_tokens: int = 0  # prompt tokens they covered
+    num_not_longer: int = 0  # a store held the prefix, but no longer than the local cache
+    num_failures: int = 0  # a stored state could not be read or was not whole: computed instead
+    fetch_s: float = 0.0  # seconds spent streaming and decoding the hits
+
+
+class PrefixFetcher:
+    """Finds and streams in the longest stored prefix of a prompt; owns no client (it borrows them).
+
+    Promises: it returns either a whole state (every MLA layer's rows 0..num_tokens and every
+    KDA layer's conv and recurrent state, each the shape and dtype of this engine's caches) or
+    None; a store that fails, a missing or corrupt piece, or a state of the wrong shape counts a
+    failure and returns None, so the request is computed instead, never failed. Thread-safe.
+    """
+
+    def __init__(self, caches: LayerCaches, timeout_s: float = 30.0) -> None:
+        self._mla_layers = sorted(caches.mla_kv)
+        self._kda_layers = sorted(caches.kda_conv)
+        self._caches = caches
+        self.timeout_s = timeout_s
+        self.stats = FetcherStats()
+        self._lock = threading.Lock()
+
+    def fetch(
+        self,
+        stores: Sequence[StateStoreClient],
+        hash_chain: Sequence[bytes],
+        prompt_token_ids: Sequence[int],
+        num_local_tokens: int = 0,
+    ) -> ImportedPrefix | None:
+        """The longest prefix state of the prompt any of `stores` holds, if it covers more than
+        `num_local_tokens` (what the engine's own cache would serve); it always leaves the prompt's
+        last token to compute. None when there is no such state or it could not be used."""
+        if not hash_chain or not stores:
+            return None
+        usable_tokens = list(prompt_token_ids[:-1])  # the sample needs the last token's logits
+        self._count(num_lookups=1)
+        best, best_store = NO_PREFIX_MATCH, None
+        for store in stores:
+            try:
+                found = store.match_prefix(hash_chain, usable_tokens)
+            except StateStoreError as exc:
+                logger.warning("prefix lookup at %s failed: %s", store.address, exc)
+                continue
+            if found.key is not None and found.num_tokens > best.num_tokens:
+                best, best_store = found, store
+        if best_store is None:
+            return None
+        if best.num_tokens <= num_local_tokens:
+            self._count(num_not_longer=1)
+            return None
+        started = time.monotonic()
+        try:
+            states = self._read(best_store, best)
+        except (StateStoreError, ValueError) as exc:
+            self._count(num_failures=1)
+            logger.warning(
+                "prefix state %r (%d tokens) at %s is unusable, computing instead: %s",
+                best.key,
+                best.num_tokens,
+                best_store.address,
+                exc,
+            )
+            return None
+        self._count(num_hits=1, num_hit_tokens=best.num_tokens, fetch_s=time.monotonic() - started)
+        return ImportedPrefix(best.num_tokens, list(hash_chain[: best.num_units]), states)
+
+    def _read(self, store: StateStoreClient, found: PrefixMatch) -> list[LayerState]:
+        assert found.key is not None
+        chunks = store.get(found.key, timeout_s=self.timeout_s, shared_memory=False)
+        states = list(decode(chunks))
+        self._check_whole(states, found)
+        return states
+
+    def _check_whole(self, states: list[LayerState], found: PrefixMatch) -> None:
+        """Raises `CorruptStateError` unless `states` are exactly this engine's whole prefix state."""
+        expected = {(layer, StateKind.MLA_KV) for layer in self._mla_layers}
+        expected |= {
+            (layer, kind)
+            for layer in self._kda_layers
+            for kind in (StateKind.KDA_CONV, StateKind.KDA_RECURRENT)
+        }
+        got = {(s.layer_id, StateKind(s.kind)) for s in states}
+        if got != expected or len(states) != len(expected):
+            raise CorruptStateError(
+                f"key {found.key!r} holds {len(got)} layer states, this engine needs {len(expected)} "
+                f"(missing {sorted(expected - got)[:4]}, unexpected {sorted(got - expected)[:4]})"
+            )
+        for state in states:
+            if state.kind is StateKind.MLA_KV and (state.token_start, state.token_end) != (
+                0,
+                found.num_tokens,
+            ):
+                raise CorruptStateError(
+                    f"key {found.key!r} layer {state.layer_id} holds KV rows [{state.token_start}, "
+                    f"{state.token_end}), its prefix covers [0, {found.num_tokens})"
+                )
+            cache_for(self._caches, state)  # ValueError on a shape or dtype this engine does not cache
+
+    def _count(self, **deltas: float) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self.stats, name, getattr(self.stats, name) + delta)

@@ -1,0 +1,133 @@
+"""Publishes the prefixes an engine retains to its node's store, off the engine thread.
+
+The engine's retention listener (`LLMEngine.set_retention_listener`) hands over a copy of each
+retained prefix's whole state on the engine thread; `offer` only queues it. One sending thread
+writes each under a key of its own with the handoff's piece encoding (`state_codec.encode`),
+seals it, and registers it in the store's prefix index under its hash chain and tail tokens, so
+any prefill worker that asks the store (`PrefixFetcher`) can stream it in instead of computing
+it. The store then keeps it until it must evict it (`StateStore.register`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from splitserve.engine.prefix_cache.retained import RetainedPrefix
+from splitserve.engine.state_codec import encode
+from splitserve.state import Chunk
+from splitserve.state.client import StateStoreClient
+
+logger = logging.getLogger(__name__)
+
+OWNER = "prefix-cache"  # not the worker's id: a worker's restart or release frees its own keys, not these
+WRITE_LEASE_S = 120.0  # until Register retains the key; a write that never registers frees itself
+
+
+@dataclass
+class PublisherStats:
+    """What the publisher did since it started (read from any thread; counters only grow)."""
+
+    num_published: int = 0  # written, sealed and registered
+    num_already_stored: int = 0  # the store already held as long a state of that prefix
+    num_dropped: int = 0  # the queue was full (the store is slow): never written
+    num_too_short: int = 0  # shorter than one prefix unit: nothing to name it by
+    num_failed: int = 0  # the store refused the write or the registration
+    num_bytes: int = 0  # state bytes published
+
+
+class PrefixPublisher:
+    """Owns a bounded queue of retained prefixes and the thread that writes them to one store.
+
+    Promises: `offer` never blocks (a full queue drops the prefix and counts it); a prefix is
+    registered only after every piece of it is stored and sealed, so the store never advertises
+    a partial state; a failed write is logged and counted, never raised. `close` stops the
+    thread (what is still queued is dropped).
+    """
+
+    def __init__(self, client: StateStoreClient, worker_id: str, max_pending: int = 4) -> None:
+        self.client = client
+        self.worker_id = worker_id
+        self.stats = PublisherStats()
+        self._queue: queue.Queue[RetainedPrefix | None] = queue.Queue(max_pending)
+        self._seq = itertools.count()
+        self._idle = threading.Condition()
+        self._busy = 0  # offered and not yet written or dropped
+        self._thread = threading.Thread(target=self._run, name=f"prefix-publisher-{worker_id}", daemon=True)
+        self._thread.start()
+
+    def offer(self, prefix: RetainedPrefix) -> None:
+        """Queue one retained prefix (engine thread: never blocks)."""
+        if not prefix.hash_chain:
+            self.stats.num_too_short += 1
+            return
+        with self._idle:
+            self._busy += 1
+        try:
+            self._queue.put_nowait(prefix)
+        except queue.Full:
+            self.stats.num_dropped += 1
+            self._done()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until every prefix offered so far was written or dropped; False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._busy == 0, timeout_s)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        while True:  # make room for the stop marker: what is still queued is dropped
+            try:
+                self._queue.put_nowait(None)
+                break
+            except queue.Full:
+                try:
+                    if self._queue.get_nowait() is not None:
+                        self.stats.num_dropped += 1
+                        self._done()
+                except queue.Empty:
+                    pass
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while (prefix := self._queue.get()) is not None:
+            try:
+                self._publish(prefix)
+            except Exception as exc:  # noqa: BLE001 - a store error or a bug: count it, keep the thread
+                self.stats.num_failed += 1
+                logger.warning(
+                    "publishing a %d-token prefix to %s failed: %s",
+                    prefix.num_tokens,
+                    self.client.address,
+                    exc,
+                )
+            finally:
+                self._done()
+
+    def _publish(self, prefix: RetainedPrefix) -> None:
+        tail = list(prefix.tail_token_ids)
+        probe = [-1] * (prefix.num_tokens - len(tail)) + tail  # the chain stands for the units' tokens
+        held = self.client.match_prefix(prefix.hash_chain, probe)
+        if held.num_units == len(prefix.hash_chain) and held.num_tokens >= prefix.num_tokens:
+            self.stats.num_already_stored += 1
+            return
+        key = f"prefix-{self.worker_id}-{next(self._seq)}"
+        _, num_bytes = self.client.put(
+            self._chunks(prefix, key), owner=OWNER, lease_s=WRITE_LEASE_S, seal=True
+        )
+        self.client.register(prefix.hash_chain, key, tail_token_ids=tail, num_tokens=prefix.num_tokens)
+        self.stats.num_published += 1
+        self.stats.num_bytes += num_bytes
+
+    @staticmethod
+    def _chunks(prefix: RetainedPrefix, key: str) -> Iterator[Chunk]:
+        for state in prefix.states:
+            yield from encode(state, key)
+
+    def _done(self) -> None:
+        with self._idle:
+            self._busy -= 1
+            self._idle.notify_all()
