@@ -19,6 +19,7 @@ from splitserve.state.errors import CorruptStateError, StateStoreError
 from splitserve.v1 import decode_pb2, decode_pb2_grpc
 from splitserve.wire import logprobs_from_proto, sampling_params_from_proto
 from splitserve.worker.load import decode_stats
+from splitserve.worker.messages import sampling_params_or_abort
 from splitserve.worker.token_stream import stream_deltas
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         rid = request.request_id
         with self._lock:
             reader = self._readers.pop(rid, None)
+        if reader is None and not request.HasField("state"):
+            yield from self._decode_whole(request, context)  # no prefill worker: prefill.fallback
+            return
         if reader is None:
             abort(
                 context, grpc.StatusCode.NOT_FOUND, f"no reservation for request {rid!r}; call Reserve first"
@@ -112,6 +116,24 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         finished = threading.Event()
         context.add_callback(lambda: None if finished.is_set() else self._abort_engine(rid))
         yield from stream_deltas(rid, updates, finished.set, context, state_wait_s, 1 + len(earlier))
+
+    def _decode_whole(
+        self, request: decode_pb2.DecodeRequest, context: grpc.ServicerContext
+    ) -> Iterator[decode_pb2.TokenDelta]:
+        """A Decode with no state (`prefill.fallback: decode_local`, the prefill pool is empty):
+        this engine computes the prompt itself and streams every token, the first one included."""
+        rid, prompt = request.request_id, list(request.prompt_token_ids)
+        params = sampling_params_or_abort(request.sampling_params, context)
+        updates: queue.Queue[RequestUpdate] = queue.Queue()
+        self.loop.watch(rid, updates.put)
+        try:
+            self.loop.call(lambda e: e.add_request(rid, prompt, params)).result(timeout=30)
+        except ValueError as exc:
+            self.loop.unwatch(rid)
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        finished = threading.Event()
+        context.add_callback(lambda: None if finished.is_set() else self._abort_engine(rid))
+        yield from stream_deltas(rid, updates, finished.set, context, num_generated=0)
 
     def _free_room(self, reader: StateReader) -> None:
         """The state will never arrive whole: free the room now; Decode still reports why."""

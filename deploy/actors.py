@@ -55,6 +55,8 @@ def gateway_settings_kwargs(config: ClusterConfig, model_path: str | None) -> di
         "port": config.gateway.port,
         "api_keys": list(config.gateway.api_keys),
         "drain_timeout_s": config.health.drain_timeout_s,
+        "max_queued_requests": config.gateway.max_queued_requests,
+        "prefill_fallback": config.prefill.fallback,
         "enable_prefix_caching": config.cache.enable_prefix_caching,
         "prefix_unit": config.cache.prefix_unit,
         "router_policy": config.router.policy,

@@ -16,6 +16,7 @@ from pathlib import Path
 from fastapi import Depends, FastAPI
 
 from frontend.admission import Admission, AdmissionMiddleware
+from frontend.admission_queue import AdmissionQueue, QueueMetrics
 from frontend.auth import api_key_checker
 from frontend.cache_monitor import CacheMonitor
 from frontend.clients import WorkerClients
@@ -42,7 +43,8 @@ def build_app(
     router = router if router is not None else make_router(settings.router_policy, settings.prefix_unit)
     clients = clients if clients is not None else WorkerClients(settings.rpc_timeout_s)
     gateway_metrics = GatewayMetrics(settings.model_name)
-    monitor = LoadMonitor(router, clients, gateway_metrics, settings.stats_refresh_s)
+    queue = AdmissionQueue(settings.max_queued_requests, QueueMetrics(gateway_metrics))
+    monitor = LoadMonitor(router, clients, gateway_metrics, settings.stats_refresh_s, queue.set_capacity)
     prefix_metrics = PrefixMetrics(gateway_metrics)
     cache_monitor = (
         CacheMonitor(router, clients, prefix_metrics, settings.stats_refresh_s)
@@ -58,6 +60,7 @@ def build_app(
     app.state.monitor = monitor
     app.state.cache_monitor = cache_monitor
     app.state.admission = admission = Admission()
+    app.state.admission_queue = queue
     install_error_handlers(app)
     app.add_middleware(AdmissionMiddleware, admission=admission)
     app.add_middleware(CountResponses, metrics=gateway_metrics)  # outermost: counts the draining 503s too

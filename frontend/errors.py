@@ -16,6 +16,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
 
+RETRY_AFTER_S = 1  # what every 429 tells the client to wait before retrying
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -77,7 +79,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status_code)
+        # A 429 always says when to come back (RFC 9110 Retry-After, in seconds).
+        headers = {"retry-after": str(RETRY_AFTER_S)} if exc.status_code == 429 else None
+        return JSONResponse(exc.body(), status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

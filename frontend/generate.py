@@ -12,6 +12,7 @@ frees everything on the workers.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -78,6 +79,7 @@ class Generation:
         self._decode_address: str | None = None
         self._prefill_address: str | None = None
         self._holds_reservation = False
+        self._reserve_in_flight: asyncio.Future[decode_pb2.ReserveResponse] | None = None
         self._prefill_in_flight = False
         self._stream: DecodeStream | None = None
         self._last_token_s = arrival_s
@@ -105,7 +107,7 @@ class Generation:
         if not decode_candidates:
             raise unavailable("no decode workers are available; try again later")
         if prefill_address is None:
-            raise unavailable("no prefill workers are available; try again later")
+            return await self._start_on_decode(decode_candidates[0])
         # One token is all the prefill makes: no decode room to reserve, nor an Abort to free it.
         reservation = None
         if self.params.max_tokens != 1:
@@ -173,11 +175,46 @@ class Generation:
         if self.finish_reason is not None:
             metrics.e2e.labels(metrics.model_name).observe(time.monotonic() - self.arrival_s)
         with anyio.CancelScope(shield=True):
+            if self._reserve_in_flight is not None:  # cancelled mid-Reserve: its answer first
+                await asyncio.gather(self._reserve_in_flight, return_exceptions=True)
+                self._holds_reservation = True  # an Abort of a room never granted is harmless
             if self._prefill_in_flight and self._prefill_address is not None:
                 await self._quietly(self.p.clients.abort_prefill(self._prefill_address, self.request_id))
             await self._release_decode()
 
     # Pieces -----------------------------------------------------------------------------------
+
+    async def _start_on_decode(self, address: str) -> Step:
+        """The prefill pool is empty: with `prefill.fallback: decode_local` the decode worker
+        computes the prompt itself (a Decode without state) and streams every token; else 503."""
+        policy = self.p.settings.prefill_fallback
+        self.p.metrics.prefill_fallbacks.labels(self.p.metrics.model_name, policy).inc()
+        if policy != "decode_local":
+            raise unavailable("the prefill pool has no worker (prefill.fallback: fail); retry later")
+        request = decode_pb2.DecodeRequest(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_ids,
+            sampling_params=sampling_params_to_proto(self.params),
+        )
+        self._decode_address = address
+        self._stream = self.p.clients.decode(address, request, self._remaining_s())
+        step = await self.next()
+        self._last_token_s = now = time.monotonic()
+        self.p.metrics.ttft.labels(self.p.metrics.model_name).observe(now - self.arrival_s)
+        return step
+
+    async def _reserve_on(
+        self, address: str, request: decode_pb2.ReserveRequest
+    ) -> decode_pb2.ReserveResponse:
+        """One Reserve. Cancelled while in flight (a sibling prompt failed, the client left), the
+        call still runs to its answer, so release() aborts a room the worker granted instead of
+        leaving it held until it lapses (2 x reserve_timeout_s)."""
+        call = asyncio.ensure_future(self.p.clients.reserve(address, request))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            self._decode_address, self._reserve_in_flight = address, call
+            raise
 
     async def _reserve(self, candidates: list[str]) -> decode_pb2.ReserveResponse:
         request = decode_pb2.ReserveRequest(
@@ -191,7 +228,7 @@ class Generation:
         failures: list[str] = []
         for address in candidates:
             try:
-                response = await self.p.clients.reserve(address, request)
+                response = await self._reserve_on(address, request)
             except GatewayError as exc:
                 if exc.status_code != 503:
                     raise

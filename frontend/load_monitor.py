@@ -3,7 +3,8 @@
 One background task per app: every `stats_refresh_s`, or sooner after a routing decision
 (`kick()`), it reads `Decode.Stats` from every decode worker and `StateStore.Stats` from every
 store a reservation has named. A worker that does not answer is reported as unmeasurable to
-the router, which then tries it last.
+the router, which then tries it last. After each pass it tells the admission queue the decode
+pool's capacity in slots (every listed worker's, as it last answered; unknown until each has).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 from frontend.clients import WorkerClients
 from frontend.errors import GatewayError
@@ -24,12 +26,19 @@ class LoadMonitor:
     """Owns the refresh task; `start()`/`stop()` run on the app's event loop."""
 
     def __init__(
-        self, router: Router, clients: WorkerClients, metrics: GatewayMetrics, refresh_s: float
+        self,
+        router: Router,
+        clients: WorkerClients,
+        metrics: GatewayMetrics,
+        refresh_s: float,
+        on_capacity: Callable[[int | None], None] | None = None,
     ) -> None:
         self.router = router
         self.clients = clients
         self.metrics = metrics
         self.refresh_s = refresh_s
+        self.on_capacity = on_capacity
+        self._slots: dict[str, int] = {}  # decode address -> requests it can hold at once
         self.store_addresses: set[str] = set()
         self._kick: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -65,6 +74,10 @@ class LoadMonitor:
         await asyncio.gather(
             *(self._refresh_decode(a) for a in decode), *map(self._refresh_store, self.store_addresses)
         )
+        self._slots = {a: n for a, n in self._slots.items() if a in decode}
+        if self.on_capacity is not None:
+            known = all(a in self._slots for a in decode)
+            self.on_capacity(sum(self._slots.values()) if known and decode else None)
         self.num_refreshes += 1
 
     async def _run(self) -> None:
@@ -84,7 +97,9 @@ class LoadMonitor:
         except GatewayError as exc:
             logger.debug("Decode.Stats on %s failed: %s", address, exc.message)
             self.router.observe_decode_load(address, None)
-            return
+            return  # its last known capacity stays: a listed worker is expected back
+        total_slots = stats.num_total_state_slots
+        self._slots[address] = min(total_slots, stats.max_num_seqs) if stats.max_num_seqs else total_slots
         self.router.observe_decode_load(
             address,
             DecodeLoad(

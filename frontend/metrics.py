@@ -56,6 +56,12 @@ class GatewayMetrics:
         self.responses = counter(
             "splitserve_http_responses", "HTTP responses by route and status code", "route", "status_code"
         )
+        self.prefill_fallbacks = counter(
+            "splitserve_prefill_fallbacks",
+            "Requests that found the prefill pool empty, by prefill.fallback (decode_local: prefilled "
+            "on their decode worker; fail: refused with 503)",
+            "policy",
+        )
         self.running = gauge("splitserve_num_requests_running", "Generations in flight", ["model_name"])
         self.workers = gauge("splitserve_num_workers", "Workers known to the router", ["model_name", "role"])
         self.store_bytes = gauge(

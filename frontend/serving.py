@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, Protocol
@@ -19,6 +20,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
+from frontend.admission_queue import AdmissionQueue
 from frontend.errors import GatewayError
 from frontend.generate import Generation
 from frontend.steps import Step
@@ -40,7 +42,37 @@ class ResponseView(Protocol):
 async def serve(
     raw: Request, gens: list[Generation], stream: bool, include_usage: bool, view: ResponseView
 ) -> Response:
-    """Run the generations; a stream once every first token is in, else the whole response."""
+    """Admit the request (it may wait for decode room: frontend.admission_queue), then run its
+    generations; a stream once every first token is in, else the whole response. The admission
+    ticket is given back once every generation is released, however the response ends."""
+    queue: AdmissionQueue = raw.app.state.admission_queue
+    timeout_s = min(g.deadline_s for g in gens) - time.monotonic()
+    try:
+        ticket = await _unless_disconnected(raw, queue.acquire(len(gens), timeout_s))
+    except BaseException as exc:  # refused (400/429/503): nothing was reserved anywhere
+        await _release_all(gens, error=not isinstance(exc, asyncio.CancelledError))
+        raise
+    if isinstance(ticket, Response):  # the client left while queued
+        await _release_all(gens)
+        return ticket
+    try:
+        response = await _run(raw, gens, stream, include_usage, view, ticket.release)
+    except BaseException:
+        ticket.release()
+        raise
+    if not isinstance(response, _ReleasingStream):
+        ticket.release()
+    return response
+
+
+async def _run(
+    raw: Request,
+    gens: list[Generation],
+    stream: bool,
+    include_usage: bool,
+    view: ResponseView,
+    on_stream_end: Callable[[], None],
+) -> Response:
     if not stream:
         return await _unless_disconnected(raw, _collect(gens, view.whole))
     try:
@@ -70,6 +102,7 @@ async def serve(
     async def on_close() -> None:
         await body.aclose()
         await _release_all(gens)
+        on_stream_end()
 
     return _ReleasingStream(body, on_close, media_type="text/event-stream")
 

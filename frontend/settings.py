@@ -39,3 +39,9 @@ class GatewaySettings(BaseModel):
     router_policy: Literal["prefix_aware", "least_load", "round_robin"] = Field(
         "prefix_aware", description="how workers are picked (router.policy)"
     )
+    max_queued_requests: int = Field(
+        1024, ge=0, description="requests waiting for decode room; past it, 429 with Retry-After"
+    )
+    prefill_fallback: Literal["decode_local", "fail"] = Field(
+        "decode_local", description="with no prefill worker: the decode worker prefills, or 503"
+    )

@@ -135,6 +135,8 @@ class GatewayConfig(_Section):
     port: int = Field(default=8000, ge=0, le=65535)  # 0: any free port
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     num_cpus: float = Field(default=0.25, ge=0)
+    # requests past the decode pool's room wait in a FIFO queue this long at most; past it, 429
+    max_queued_requests: int = Field(default=1024, ge=0)
 
 
 class PoolConfig(_Section):
@@ -185,7 +187,13 @@ class StoreConfig(_Section):
 
 
 class PrefillPoolConfig(PoolConfig):
-    """The prefill pool: a `PoolConfig` plus what only prefill workers do."""
+    """The prefill pool: a `PoolConfig` plus what only prefill workers do.
+
+    `fallback` says what the gateway does while the pool has no worker: `decode_local` (the
+    decode worker computes the prompt itself) or `fail` (503 naming the empty pool).
+    """
+
+    fallback: Literal["decode_local", "fail"] = "decode_local"
 
 
 class DecodePoolConfig(PoolConfig):
