@@ -30,6 +30,7 @@ class StreamResult:
     text: str = ""
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server sent it
     error: str = ""
 
     @property
@@ -54,6 +55,7 @@ async def stream_request(
             text="".join(pieces),
             prompt_tokens=_int_or_none(usage.get("prompt_tokens")),
             completion_tokens=_int_or_none(usage.get("completion_tokens")),
+            cached_tokens=_cached_tokens(usage),
             error=error[:_MAX_ERROR_CHARS],
         )
 
@@ -94,6 +96,11 @@ def _json_or_none(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         return None
+
+
+def _cached_tokens(usage: dict[str, Any]) -> int | None:
+    details = usage.get("prompt_tokens_details")
+    return _int_or_none(details.get("cached_tokens")) if isinstance(details, dict) else None
 
 
 def _int_or_none(value: Any) -> int | None:

@@ -1,7 +1,8 @@
 """Several runs' summaries side by side: one row per figure, one column per deployment, ratios.
 
-`comparison_rows(summaries)` lists the figures (counts, throughputs, goodput, then mean, median,
-p90 and p99 of TTFT, TPOT, ITL and E2E latency); `format_comparison(labels, summaries)` prints
+`comparison_rows(summaries)` lists the figures (counts, throughputs, goodput, the prefix cache
+hit rate, then mean, median, p90 and p99 of TTFT, TPOT, ITL and E2E latency, and of TTFT over
+multi-turn sessions' later turns); `format_comparison(labels, summaries)` prints
 them as a table whose last columns divide each deployment's figure by the first deployment's.
 """
 
@@ -53,10 +54,19 @@ def comparison_rows(summaries: Sequence[Summary]) -> list[ComparisonRow]:
     ]
     if any(s.goodput_rps is not None for s in summaries):
         rows.append(row("Request goodput (req/s)", lambda s: s.goodput_rps))
+    if any(s.prefix_hit_rate is not None for s in summaries):
+        rows.append(row("Prefix cache hit rate (%)", _percent))
     for attribute, short in _LATENCIES:
         for field, stat in _STATS:
             rows.append(row(f"{short} {stat} (ms)", _latency(attribute, field)))
+    if any(s.ttft_later_turns.count for s in summaries):
+        for field, stat in _STATS:
+            rows.append(row(f"TTFT {stat}, turns 2+ (ms)", _latency("ttft_later_turns", field)))
     return rows
+
+
+def _percent(summary: Summary) -> float | None:
+    return None if summary.prefix_hit_rate is None else 100 * summary.prefix_hit_rate
 
 
 def format_comparison(labels: Sequence[str], summaries: Sequence[Summary]) -> str:

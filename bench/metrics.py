@@ -4,7 +4,9 @@ Definitions follow `vllm bench serve`: TTFT is the first content chunk's arrival
 send, E2E latency the stream's end after the send, TPOT `(E2E - TTFT) / (output_tokens - 1)` for
 requests with more than one output token, and ITL every gap between successive content chunks,
 pooled over all requests. Percentiles interpolate linearly (`numpy.percentile`). Only successful
-requests count towards latencies, token totals and throughputs.
+requests count towards latencies, token totals and throughputs. The prefix cache hit rate is the
+server's `usage.prompt_tokens_details.cached_tokens` over the prompt tokens of the requests that
+reported it; `ttft_later_turns` is TTFT over the turns after the first of multi-turn sessions.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ class Summary:
     e2el: LatencyStats
     goodput_rps: float | None = None
     slos_ms: dict[str, float] = field(default_factory=dict)
+    total_cached_tokens: int | None = None  # None: no request's usage said
+    prefix_hit_rate: float | None = None
+    ttft_later_turns: LatencyStats = field(default_factory=LatencyStats)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -68,8 +73,9 @@ class Summary:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Summary:
         values = dict(data)
-        for name in ("ttft", "tpot", "itl", "e2el"):
-            values[name] = LatencyStats(**values[name])
+        for name in ("ttft", "tpot", "itl", "e2el", "ttft_later_turns"):
+            if name in values:  # results written before ttft_later_turns existed lack it
+                values[name] = LatencyStats(**values[name])
         return cls(**values)
 
 
@@ -83,6 +89,9 @@ def summarize(
     input_tokens = sum(r.prompt_tokens for r in done)
     output_tokens = sum(r.output_tokens for r in done)
     good = sum(1 for r in done if meets_slos(r, slos))
+    reported = [r for r in done if r.cached_tokens is not None]
+    cached_tokens = sum(r.cached_tokens or 0 for r in reported) if reported else None
+    reported_prompt_tokens = sum(r.prompt_tokens for r in reported)
     return Summary(
         completed=len(done),
         failed=len(records) - len(done),
@@ -98,6 +107,11 @@ def summarize(
         e2el=LatencyStats.of_seconds([r.e2e_s for r in done if r.e2e_s is not None]),
         goodput_rps=_rate(good, duration_s) if slos else None,
         slos_ms=slos,
+        total_cached_tokens=cached_tokens,
+        prefix_hit_rate=None if cached_tokens is None else _rate(cached_tokens, reported_prompt_tokens),
+        ttft_later_turns=LatencyStats.of_seconds(
+            [r.ttft_s for r in done if r.ttft_s is not None and (r.turn_index or 0) > 0]
+        ),
     )
 
 

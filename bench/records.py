@@ -17,6 +17,8 @@ class RequestRecord:
     and `e2e_s` (end of the stream) count from the send; `itl_s` holds every gap between
     successive content chunks. A failed request has `success` False, its `error` text, and no
     latencies. `session_id` and `turn_index` place a multi-turn request in its conversation.
+    `cached_tokens` is the server's count of prompt tokens it served from a prefix cache (None:
+    it did not say).
     """
 
     index: int
@@ -31,6 +33,7 @@ class RequestRecord:
     error: str = ""
     session_id: int | None = None
     turn_index: int | None = None
+    cached_tokens: int | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -60,6 +63,7 @@ class RequestRecord:
             "max_tokens": max_tokens,
             "session_id": session_id,
             "turn_index": turn_index,
+            "cached_tokens": stream.cached_tokens,
         }
         if not stream.success:
             return cls(success=False, error=stream.error, **common)

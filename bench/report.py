@@ -22,6 +22,10 @@ def format_summary(summary: Summary, title: str = "Serving benchmark") -> str:
         _row("Benchmark duration (s)", f"{summary.duration_s:.2f}"),
         _row("Total input tokens", f"{summary.total_input_tokens:,}"),
         _row("Total generated tokens", f"{summary.total_output_tokens:,}"),
+    ]
+    if summary.prefix_hit_rate is not None:
+        rows.append(_row("Prefix cache hit rate (%)", f"{100 * summary.prefix_hit_rate:.1f}"))
+    rows += [
         _row("Request throughput (req/s)", f"{summary.request_throughput_rps:.2f}"),
     ]
     if summary.goodput_rps is not None:
@@ -35,6 +39,9 @@ def format_summary(summary: Summary, title: str = "Serving benchmark") -> str:
     for attribute, short, long in _LATENCIES:
         rows.append(_rule(long, "-"))
         rows += _latency_rows(short, getattr(summary, attribute))
+    if summary.ttft_later_turns.count:
+        rows.append(_rule("TTFT of turns after the first", "-"))
+        rows += _latency_rows("TTFT", summary.ttft_later_turns)
     rows.append("=" * _WIDTH)
     return "\n".join(rows)
 

@@ -44,6 +44,7 @@ class FakeOpenAI:
     fail: Callable[[dict[str, Any]], int | None] = lambda body: None
     error_event: Callable[[dict[str, Any]], bool] = lambda body: False
     send_usage: bool = True
+    cached_tokens: Callable[[dict[str, Any]], int] | None = None  # usage.prompt_tokens_details, if set
     gate_in_flight: int | None = None
     received: list[Received] = field(default_factory=list)
     max_in_flight: int = 0
@@ -107,7 +108,10 @@ class FakeOpenAI:
                 await asyncio.sleep(0)  # let other streams interleave
             if self.send_usage:
                 usage = {"prompt_tokens": prompt_tokens(body), "completion_tokens": len(words)}
-                yield _event({"choices": [], "usage": {**usage, "total_tokens": sum(usage.values())}})
+                usage = {**usage, "total_tokens": sum(usage.values())}
+                if self.cached_tokens is not None:
+                    usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens(body)}
+                yield _event({"choices": [], "usage": usage})
             yield "data: [DONE]\n\n"
         finally:
             self._leave()
