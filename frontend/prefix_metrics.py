@@ -75,9 +75,8 @@ class PrefixMetrics:
     def observe_report(self, worker: str, report: prefill_pb2.PrefixCacheReport) -> None:
         labels = (self.model_name, worker)
         self.engine_queried_tokens.labels(*labels).set(report.num_queried_tokens)
-        num_store = report.num_imported_tokens
-        self.engine_hit_tokens.labels(*labels, "engine").set(report.num_hit_tokens - num_store)
-        self.engine_hit_tokens.labels(*labels, "store").set(num_store)
+        self.engine_hit_tokens.labels(*labels, "engine").set(report.num_hit_tokens)
+        self.engine_hit_tokens.labels(*labels, "store").set(report.num_imported_tokens)
         self.engine_lost_tokens.labels(*labels).set(report.num_lost_to_missing_state_tokens)
         self.engine_snapshot_bytes.labels(*labels).set(report.snapshot_bytes)
         self.engine_snapshots.labels(*labels).set(report.num_snapshots)

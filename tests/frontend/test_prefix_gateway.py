@@ -172,7 +172,7 @@ def test_cache_reports_feed_the_router_and_the_engine_gauges(script: Script) -> 
     labels = f'model_name="{MODEL}",worker="{held}"'
     assert f"splitserve_engine_prefix_queried_tokens{{{labels}}} 1000.0" in metrics
     by_tier = f'model_name="{MODEL}",tier="{{}}",worker="{held}"'  # Prometheus sorts the labels
-    assert f"splitserve_engine_prefix_hit_tokens{{{by_tier.format('engine')}}} 400.0" in metrics
+    assert f"splitserve_engine_prefix_hit_tokens{{{by_tier.format('engine')}}} 600.0" in metrics
     assert f"splitserve_engine_prefix_hit_tokens{{{by_tier.format('store')}}} 200.0" in metrics
     assert f"splitserve_engine_prefix_lost_to_missing_state_tokens{{{labels}}} 64.0" in metrics
 
