@@ -52,6 +52,8 @@ class SlotAllocator:
         slot = self._free.pop()
         for t in (*self._caches.kda_conv.values(), *self._caches.kda_recurrent.values()):
             t[slot].zero_()
+        if self._caches.replay is not None:
+            self._caches.replay.reset(slot)  # no records of the slot's last request survive
         return slot
 
     def free(self, slot: int) -> None:

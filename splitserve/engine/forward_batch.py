@@ -7,7 +7,7 @@ chunks), then multi-token rows (prefill chunks). The runner builds this; the lay
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,7 @@ class TokenGroup:
     state_slots: torch.Tensor  # [B] long, KDA slot of each row
     kv_index: torch.Tensor  # [B, Kmax] long
     query_pos: torch.Tensor  # [B, Lmax] long
+    slot_ids: list[int] = field(default_factory=list)  # state_slots on the host (ReplaySSM's ring counts)
 
     @property
     def num_rows(self) -> int:

@@ -77,6 +77,8 @@ def extract_mla_rows(
 
 def extract_kda(caches: LayerCaches, layer_id: int, slot: int, num_tokens: int) -> list[LayerState]:
     """Copies (never views) of one KDA layer's conv and recurrent state after the prompt's last chunk."""
+    if caches.replay is not None:
+        caches.replay.flush(slot)  # with ReplaySSM rings the pool holds a checkpoint: make it the state
     conv = caches.kda_conv[layer_id][slot].clone()
     recurrent = caches.kda_recurrent[layer_id][slot].clone()
     return [

@@ -4,6 +4,11 @@ State per request slot: the last `K-1` pre-conv q/k/v inputs (`conv_state`, [slo
 and the recurrent matrix (`recurrent_state`, [slots, H, Dk, Dv], fp32). A slot must be zeroed
 before a request's first chunk; every call reads and writes the slots of the rows it runs.
 The delta rule runs through `ops.kda_dispatch`: fla's kernels on CUDA, the torch reference elsewhere.
+
+Given a `ReplayLayerRing` (an engine with `replay_window` > 0), single-token rows run in ReplaySSM
+form instead: `recurrent_state[slot]` is the slot's checkpoint, each step appends a `(k, u, G)`
+record and the ring folds into the checkpoint every window (engine/replay_ring.py). A row taking
+a prompt chunk first folds what its ring holds, so the chunk starts from the exact state.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from splitserve.engine.model.layers import GatedRMSNorm, fuse_rows
 from splitserve.engine.model_config import KimiLinearModelConfig
 from splitserve.engine.ops.kda import l2norm
 from splitserve.engine.ops.kda_dispatch import kda_decode_into, kda_prefill
+from splitserve.engine.replay_ring import ReplayLayerRing
 
 
 class KimiDeltaAttention(nn.Module):
@@ -61,7 +67,12 @@ class KimiDeltaAttention(nn.Module):
         self.decay_rate = self.A_log.float().exp().view(self.num_heads, 1)
 
     def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor, recurrent_state: torch.Tensor
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        conv_state: torch.Tensor,
+        recurrent_state: torch.Tensor,
+        replay: ReplayLayerRing | None = None,
     ) -> torch.Tensor:
         dim, hd, nh = self.qkv_dim, self.head_dim, self.num_heads
         proj = F.linear(x, self.in_proj)
@@ -83,8 +94,13 @@ class KimiDeltaAttention(nn.Module):
         if batch.single is not None:
             n = batch.single.num_rows
             slots = batch.single.state_slots
-            core[:n] = kda_decode_into(q[:n], k[:n], v[:n], g[:n], beta[:n], recurrent_state, slots)
+            if replay is None:
+                core[:n] = kda_decode_into(q[:n], k[:n], v[:n], g[:n], beta[:n], recurrent_state, slots)
+            else:
+                core[:n] = replay.step(q[:n], k[:n], v[:n], g[:n], beta[:n], slots, batch.single.slot_ids)
         if batch.multi is not None:
+            if replay is not None:
+                replay.fold(batch.multi.slot_ids)
             self._delta_chunk(q, k, v, g, beta, batch.multi, recurrent_state, core)
         gate = self.g_b_proj(g_a).view(-1, nh, hd)
         out = self.o_norm(core.to(x.dtype), gate).reshape(-1, dim)

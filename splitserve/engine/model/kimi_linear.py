@@ -14,6 +14,7 @@ from splitserve.engine.model.layers import GatedMLP, RMSNorm
 from splitserve.engine.model.mla import MultiHeadLatentAttention
 from splitserve.engine.model.moe import SparseMoE
 from splitserve.engine.model_config import FULL_ATTENTION, KimiLinearModelConfig
+from splitserve.engine.replay_ring import ReplayRing
 
 
 @dataclass
@@ -23,6 +24,7 @@ class LayerCaches:
     mla_kv: dict[int, torch.Tensor]  # layer -> [num_blocks * block_size, rank + rope]
     kda_conv: dict[int, torch.Tensor]  # layer -> [num_slots, 3 * H * D, K - 1]
     kda_recurrent: dict[int, torch.Tensor]  # layer -> [num_slots, H, Dk, Dv] fp32
+    replay: ReplayRing | None = None  # ReplaySSM rings (kda_recurrent then holds checkpoints)
 
 
 class DecoderLayer(nn.Module):
@@ -49,7 +51,8 @@ class DecoderLayer(nn.Module):
             h = self.self_attn(h, batch, caches.mla_kv[self.layer_id])
         else:
             lid = self.layer_id
-            h = self.self_attn(h, batch, caches.kda_conv[lid], caches.kda_recurrent[lid])
+            ring = caches.replay.layers[lid] if caches.replay is not None else None
+            h = self.self_attn(h, batch, caches.kda_conv[lid], caches.kda_recurrent[lid], ring)
         x = x + h
         return x + self.block_sparse_moe(self.post_attention_layernorm(x))
 

@@ -1,0 +1,112 @@
+"""What a decode engine publishes as a request decodes in ReplaySSM form, so another can resume it.
+
+Every time a request's slot folds a full window (every `replay_window` computed tokens), the
+engine hands its replay listener a `ReplayPublish`: the state from the previous publish's end
+(`token_start`) to `num_tokens`. MLA layers give their KV rows for those tokens; KDA layers give
+the window's records when they extend the previous publish exactly (the usual case: small), else
+the checkpoint itself (a request whose window began elsewhere: after a resume or a flush), and
+always the conv state at `num_tokens`. A request's first publish starts at its prompt's end, whose
+state the prefill already handed off. `replay_resume.py` turns a prompt state and these pieces
+back into an `ImportedPrefix`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.model.kimi_linear import LayerCaches
+from splitserve.engine.replay_ring import ReplayRing
+from splitserve.engine.request import Request
+from splitserve.engine.state_transfer import LayerState, extract_mla_rows, token_rows
+from splitserve.engine_config import EngineConfig
+
+
+@dataclass
+class ReplayLayerPiece:
+    """One KDA layer's part of a publish: records `(k, u, G)` ([n, H, D] fp32, `G` the cumulative
+    log-decay since the state at `token_start`) XOR the recurrent state at `num_tokens`
+    (`checkpoint`), and the conv state at `num_tokens`."""
+
+    layer_id: int
+    conv: torch.Tensor
+    k: torch.Tensor | None = None
+    u: torch.Tensor | None = None
+    g_cum: torch.Tensor | None = None
+    checkpoint: torch.Tensor | None = None
+
+    @property
+    def num_bytes(self) -> int:
+        parts = (self.conv, self.k, self.u, self.g_cum, self.checkpoint)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+
+@dataclass
+class ReplayPublish:
+    """One request's state from `token_start` to `num_tokens`: copies, owned by the listener (on
+    the engine's device: copy them to the host on another thread). `mla` holds each MLA layer's
+    KV rows [token_start, num_tokens)."""
+
+    request_id: str
+    token_start: int
+    num_tokens: int
+    kda: list[ReplayLayerPiece]
+    mla: list[LayerState]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(p.num_bytes for p in self.kda) + sum(s.num_bytes for s in self.mla)
+
+
+ReplayListener = Callable[[ReplayPublish], None]
+
+
+class ReplayPublisher:
+    """Builds the publishes of one engine after each step (engine thread); remembers per request
+    where its last publish ended."""
+
+    def __init__(self, caches: LayerCaches, ring: ReplayRing, block_size: int) -> None:
+        self.caches = caches
+        self.ring = ring
+        self.block_size = block_size
+        self.listener: ReplayListener | None = None
+        self._published_to: dict[str, int] = {}
+
+    def after_step(self, requests: list[Request]) -> None:
+        """Publish every request among `requests` (this step's) whose slot folded a full window."""
+        folded = self.ring.take_folds()
+        for req in requests:
+            if req.finished or req.prefill_only:
+                self._published_to.pop(req.request_id, None)
+            elif folded and req.state_slot in folded and self.listener is not None:
+                self.listener(self._publish(req))
+
+    def _publish(self, req: Request) -> ReplayPublish:
+        assert req.state_slot is not None
+        slot, window, end = req.state_slot, self.ring.window, req.num_computed_tokens
+        start = self._published_to.get(req.request_id, req.num_prompt_tokens)
+        extends = end - window == start
+        kda = []
+        for lid, layer in self.ring.layers.items():
+            piece = ReplayLayerPiece(lid, self.caches.kda_conv[lid][slot].clone())
+            if extends:
+                piece.k, piece.u, piece.g_cum = layer.records(slot, window)
+            else:
+                piece.checkpoint = layer.checkpoint[slot].clone()
+            kda.append(piece)
+        rows = token_rows(req.block_table, end, self.block_size, start)
+        mla = [extract_mla_rows(self.caches, lid, rows, start, end) for lid in self.caches.mla_kv]
+        self._published_to[req.request_id] = end
+        return ReplayPublish(req.request_id, start, end, kda, mla)
+
+
+def replay_publisher(
+    caches: LayerCaches, config: EngineConfig, device: torch.device
+) -> ReplayPublisher | None:
+    """Rings for every KDA slot and their publisher when `config.replay_window` > 0, else None."""
+    if not config.replay_window or not caches.kda_recurrent:
+        return None
+    caches.replay = ReplayRing.allocate(caches.kda_recurrent, config.replay_window, device)
+    return ReplayPublisher(caches, caches.replay, config.block_size)
