@@ -40,6 +40,9 @@ class EngineConfig:
     retention_interval: int = 0
     selective_retention: bool = True
     snapshot_memory_bytes: int = 64 * 2**20
+    # the salt of the prefix names the engine makes itself (splitserve.prefix_hash): "" offline; a
+    # cluster may pass its served model name, the salt of the chains its gateway sends
+    prefix_salt: str = ""
 
     def __post_init__(self) -> None:
         positive = {

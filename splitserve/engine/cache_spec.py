@@ -8,6 +8,7 @@ cluster config and the checkpoint's config.json, with the same arithmetic the en
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -62,7 +63,11 @@ class KDAStateSpec:
 
 @dataclass(frozen=True)
 class CachePlan:
-    """How many KV blocks and state slots one budget buys, for every layer of the model."""
+    """How many KV blocks and state slots one budget buys, for every layer of the model.
+
+    `num_snapshots` KDA state snapshots (the prefix cache's, each the size of a slot) are paid
+    from their own budget, `snapshot_memory_bytes`, beside the KV budget: 0 without caching.
+    """
 
     mla: MLAAttentionSpec
     kda: KDAStateSpec
@@ -70,6 +75,7 @@ class CachePlan:
     num_kda_layers: int
     num_blocks: int
     num_slots: int
+    num_snapshots: int = 0
 
     @property
     def block_bytes(self) -> int:
@@ -80,8 +86,16 @@ class CachePlan:
         return self.kda.slot_size_bytes * self.num_kda_layers
 
     @property
+    def snapshot_bytes(self) -> int:
+        return self.num_snapshots * self.slot_bytes
+
+    @property
     def total_bytes(self) -> int:
-        return self.num_blocks * self.block_bytes + self.num_slots * self.slot_bytes
+        return self.num_blocks * self.block_bytes + self.num_slots * self.slot_bytes + self.snapshot_bytes
+
+    def snapshots_for(self, snapshot_memory_bytes: int) -> int:
+        """How many snapshots `snapshot_memory_bytes` holds."""
+        return snapshot_memory_bytes // self.slot_bytes if self.slot_bytes else 0
 
     @property
     def max_tokens_per_request(self) -> int:
@@ -164,4 +178,6 @@ def plan_cache(
         dtype=config.dtype,
         min_blocks=-(-min_tokens // config.block_size),
     )
+    if config.enable_prefix_caching:
+        plan = dataclasses.replace(plan, num_snapshots=plan.snapshots_for(config.snapshot_memory_bytes))
     return plan, limit if explicit else min(limit, plan.max_tokens_per_request)

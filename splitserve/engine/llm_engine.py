@@ -17,6 +17,7 @@ from splitserve.engine.cache_spec import CachePlan, context_len, plan_cache
 from splitserve.engine.loader import load_model
 from splitserve.engine.model_config import KimiLinearModelConfig
 from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.replay_publish import ReplayListener, replay_publisher
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
@@ -68,6 +69,7 @@ class LLMEngine:
         self.model = load_model(mc, path, dtype, self.device)
         self.plan, self.max_model_len = self._plan_cache()
         self.caches = allocate_caches(self.plan, mc, self.device)
+        self.replay = replay_publisher(self.caches, config, self.device)  # None: plain KDA decode
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -287,6 +289,14 @@ class LLMEngine:
         if request is not None and not request.finished:
             self.scheduler.finish(request, "abort")
 
+    def set_replay_listener(self, fn: ReplayListener | None) -> None:
+        """`fn` hears a `ReplayPublish` each time a decoding request's slot folds a full window
+        (every `replay_window` tokens; engine/replay_publish.py), on the engine thread: queue it,
+        never block. Without `replay_window` nothing is ever published."""
+        if self.replay is None:
+            raise ValueError("this engine decodes without ReplaySSM rings: set replay_window to publish")
+        self.replay.listener = fn
+
     @property
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -302,6 +312,8 @@ class LLMEngine:
                 s.request.first_scheduled_s = now
         result = self.runner.execute(output.scheduled)
         self.scheduler.postprocess(output, result.token_ids)
+        if self.replay is not None:
+            self.replay.after_step([s.request for s in output.scheduled])
         updates = []
         for s in output.scheduled:
             request = s.request

@@ -152,4 +152,5 @@ class ModelRunner:
             state_slots=torch.tensor([s.request.state_slot for s in rows], dtype=torch.long, device=dev),
             kv_index=kv_index.to(dev),
             query_pos=query_pos.to(dev),
+            slot_ids=[s.request.state_slot for s in rows],
         )

@@ -50,6 +50,15 @@ class Request:
     export: Callable[[Any], None] | None = None
     arrival_s: float = field(default_factory=time.monotonic)
     first_scheduled_s: float | None = None
+    # output tokens generated elsewhere before this request came here (failover, re-prefill): they
+    # are computed like the prompt, and sampling continues at output index len(output_token_ids)
+    num_given_output_tokens: int = 0
+    # prefix caching: the prompt's hash chain as given (None: the engine names it), an imported
+    # prefix state to start from, and the prompt tokens the cache served (0 without a hit)
+    prefix_hashes: list[bytes] | None = None
+    imported_prefix: Any = None  # engine.prefix_cache.ImportedPrefix (request.py stays import-free)
+    num_cached_tokens: int = 0
+    cache_state: Any = None  # engine.prefix_cache's per-request bookkeeping, None without caching
     _queue_reported: bool = field(default=False, repr=False)
 
     @property
@@ -73,6 +82,11 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def num_input_tokens(self) -> int:
+        """Tokens known when it arrived (prompt and given output tokens): computed before any sample."""
+        return len(self.prompt_token_ids) + self.num_given_output_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

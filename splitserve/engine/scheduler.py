@@ -5,15 +5,24 @@ requests first (oldest first), then waiting ones in arrival order. A request tha
 the KV blocks it needs preempts the newest running request (recompute: its caches are freed
 and its tokens replayed later). A prefill chunk is as long as the budget left allows. The
 scheduler decides; it never touches tensors.
+
+With a prefix cache (`engine.prefix_cache`), a request admitted from the queue starts at its hit
+(the cache copies what it needs into the request's own blocks and slot), its chunks end exactly at
+the boundaries where a snapshot is to be taken, and blocks are released by reference: blocks
+shared with other requests or kept in the cache are never freed or written by a sharer.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from splitserve.engine.cache_pool import BlockAllocator, SlotAllocator
 from splitserve.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from splitserve.engine.prefix_cache.cache import PrefixCache
 
 
 @dataclass(frozen=True)
@@ -44,10 +53,17 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting queue, the running list and every request's blocks and slot."""
 
-    def __init__(self, config: SchedulerConfig, blocks: BlockAllocator, slots: SlotAllocator) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        blocks: BlockAllocator,
+        slots: SlotAllocator,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:
         self.config = config
         self.blocks = blocks
         self.slots = slots
+        self.prefix_cache = prefix_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.reserved: dict[str, Request] = {}  # room held for requests whose state is arriving
@@ -85,11 +101,17 @@ class Scheduler:
                 budget -= num_new
         while self.waiting and budget > 0 and not preempted and self.num_seqs < self.config.max_num_seqs:
             request = self.waiting[0]
+            if self.slots.num_free_slots == 0:
+                break
+            request.state_slot = self.slots.allocate()
+            if self.prefix_cache is not None:
+                self.prefix_cache.admit(request)  # starts it at its hit, plans its snapshots
             num_new = self._chunk_len(request, budget)
-            if self.slots.num_free_slots == 0 or not self.reserve_blocks(request, num_new):
+            if not self.reserve_blocks(request, num_new):
+                self.release(request)
+                request.num_computed_tokens = 0
                 break
             self.waiting.popleft()
-            request.state_slot = self.slots.allocate()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_new))
@@ -118,8 +140,11 @@ class Scheduler:
         self.running.append(request)
 
     def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
-        """Mark finished and free its blocks and slot (works for waiting and running requests)."""
+        """Mark finished and free its blocks and slot (works for waiting and running requests).
+        With a prefix cache, what a running request computed is retained first (unless aborted)."""
         if request.status is RequestStatus.RUNNING:
+            if self.prefix_cache is not None and reason != "abort":
+                self.prefix_cache.retain_end(request)
             self.running.remove(request)
         elif self.reserved.get(request.request_id) is request:
             del self.reserved[request.request_id]
@@ -131,7 +156,10 @@ class Scheduler:
         request.stop_reason = stop_reason
 
     def _chunk_len(self, request: Request, budget: int) -> int:
-        return min(request.num_tokens - request.num_computed_tokens, budget)
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        if self.prefix_cache is not None:
+            num_new = self.prefix_cache.clip_chunk(request, num_new)  # end at a snapshot boundary
+        return num_new
 
     def reserve_blocks(self, request: Request, num_new: int) -> bool:
         bs = self.config.block_size
@@ -149,11 +177,15 @@ class Scheduler:
         self.release(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        if request.cache_state is not None:
+            request.cache_state.boundaries = []  # planned again from its hit when readmitted
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def release(self, request: Request) -> None:
+        """Give back its slot and its references to its blocks (a caching allocator keeps the
+        blocks the cache indexes; the plain one frees them all)."""
         self.blocks.free(request.block_table)
         request.block_table = []
         if request.state_slot is not None:
@@ -167,3 +199,5 @@ class Scheduler:
             token = sampled.get(s.request.request_id)
             if token is not None:
                 s.request.output_token_ids.append(token)
+        if self.prefix_cache is not None:
+            self.prefix_cache.after_step([s.request for s in output.scheduled])
