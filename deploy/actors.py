@@ -57,6 +57,7 @@ def gateway_settings_kwargs(config: ClusterConfig, model_path: str | None) -> di
         "drain_timeout_s": config.health.drain_timeout_s,
         "max_queued_requests": config.gateway.max_queued_requests,
         "prefill_fallback": config.prefill.fallback,
+        "decode_failover": config.decode.failover,
         "enable_prefix_caching": config.cache.enable_prefix_caching,
         "prefix_unit": config.cache.prefix_unit,
         "router_policy": config.router.policy,

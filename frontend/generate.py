@@ -22,6 +22,7 @@ import anyio
 
 from frontend.clients import DecodeStream, WorkerClients
 from frontend.errors import GatewayError, over_capacity, unavailable
+from frontend.failover import DecodeFailover, WorkerLost, read_delta
 from frontend.metrics import GatewayMetrics
 from frontend.prefix_metrics import PrefixMetrics
 from frontend.router import Router
@@ -82,6 +83,8 @@ class Generation:
         self._reserve_in_flight: asyncio.Future[decode_pb2.ReserveResponse] | None = None
         self._prefill_in_flight = False
         self._stream: DecodeStream | None = None
+        self._failover = DecodeFailover(pipeline.settings, pipeline.router, pipeline.metrics)
+        self._resumed: list[int] = []  # after a decode failover: the tokens received before it
         self._last_token_s = arrival_s
         self._transfer_s = 0.0
         self._released = False
@@ -123,7 +126,8 @@ class Generation:
             response.stop_token_id if response.HasField("stop_token_id") else None,
         )
         now = time.monotonic()
-        self.p.metrics.ttft.labels(self.p.metrics.model_name).observe(now - self.arrival_s)
+        if not self._resumed:  # after a failover this is not the request's first token
+            self.p.metrics.ttft.labels(self.p.metrics.model_name).observe(now - self.arrival_s)
         self._last_token_s = now
         if step.finish_reason is None:
             self._open_decode(response)
@@ -132,13 +136,13 @@ class Generation:
         return step
 
     async def next(self) -> Step:
-        """The next decode step; raises GatewayError when the stream breaks."""
+        """The next decode step. A lost decode worker fails over (frontend.failover); raises
+        GatewayError when the stream breaks otherwise, or failover is off or fails."""
         assert self._stream is not None and self.finish_reason is None, "next() after the last step"
-        delta = await self._stream.read()
-        if delta is None:
-            raise unavailable(
-                f"decode worker {self._decode_address} ended the stream without a finish reason"
-            )
+        try:
+            delta = await read_delta(self._stream)
+        except WorkerLost as lost:
+            return await self._failover.recover(self, lost)
         now = time.monotonic()
         if delta.token_ids:
             gap_s = (now - self._last_token_s) / len(delta.token_ids)
@@ -161,6 +165,16 @@ class Generation:
                 await self._release_decode()  # a stop string ended it here, not on the worker
             self._stream = None
         return step
+
+    async def resume_elsewhere(self) -> Step:
+        """Decode failover: drop the lost stream (its worker is gone: nothing to abort there) and
+        route again; the prefill runs prompt + every token received, the next step comes back."""
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.cancel()
+        await self._release_decode()  # a room an earlier failed attempt still holds
+        self._resumed = list(self._output.received_ids)
+        return await self.start()
 
     async def release(self, error: bool = False) -> None:
         """Abort whatever this request still holds on any worker; idempotent, never raises."""
@@ -219,7 +233,7 @@ class Generation:
     async def _reserve(self, candidates: list[str]) -> decode_pb2.ReserveResponse:
         request = decode_pb2.ReserveRequest(
             request_id=self.request_id,
-            num_prompt_tokens=len(self.prompt_ids),
+            num_prompt_tokens=len(self.prompt_ids) + len(self._resumed),  # the state's tokens
             timeout_s=self.p.settings.reserve_timeout_s,
         )
         if self.params.max_tokens is not None:
@@ -256,6 +270,7 @@ class Generation:
             self.p.settings.state_lease_s,
             self.prefix_hashes,
         )
+        request.output_token_ids.extend(self._resumed)
         self._prefill_address = address
         self._prefill_in_flight = True
         self.p.router.on_prefill_start(address, len(self.prompt_ids))
@@ -284,6 +299,7 @@ class Generation:
         request = decode_request(
             self.request_id, self.prompt_ids, sampling_params_to_proto(self.params), response
         )
+        request.output_token_ids.extend(self._resumed)
         assert self._decode_address is not None
         self._stream = self.p.clients.decode(self._decode_address, request, self._remaining_s())
         self._holds_reservation = False

@@ -62,6 +62,13 @@ class GatewayMetrics:
             "on their decode worker; fail: refused with 503)",
             "policy",
         )
+        self.decode_failovers = counter(
+            "splitserve_decode_failovers",
+            "Streams whose decode worker was lost, by outcome (resumed, failed, disabled, exhausted) "
+            "and method (reprefill: prompt + tokens sent prefilled again)",
+            "outcome",
+            "method",
+        )
         self.running = gauge("splitserve_num_requests_running", "Generations in flight", ["model_name"])
         self.workers = gauge("splitserve_num_workers", "Workers known to the router", ["model_name", "role"])
         self.store_bytes = gauge(

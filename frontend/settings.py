@@ -45,3 +45,7 @@ class GatewaySettings(BaseModel):
     prefill_fallback: Literal["decode_local", "fail"] = Field(
         "decode_local", description="with no prefill worker: the decode worker prefills, or 503"
     )
+    decode_failover: bool = Field(
+        True, description="resume a stream whose decode worker was lost on another (decode.failover)"
+    )
+    max_decode_failovers: int = Field(3, ge=0, description="failovers one request may take")

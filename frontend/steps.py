@@ -30,11 +30,13 @@ class Step:
 
 class OutputSteps:
     """Owns one choice's output: its detokenizer (none without a tokenizer: ids only), the count
-    of tokens shown, and the finish reason once a step carried one."""
+    of tokens shown, every token id a worker generated (`received_ids`: what a decode failover
+    resumes from), and the finish reason once a step carried one."""
 
     def __init__(self, tokenizer: Tokenizer | None, prompt_ids: list[int], params: SamplingParams) -> None:
         self.params = params
         self.num_generated_tokens = 0
+        self.received_ids: list[int] = []
         self.finish_reason: str | None = None
         self._detok = (
             IncrementalDetokenizer(
@@ -56,6 +58,7 @@ class OutputSteps:
         stop_token_id: int | None,
     ) -> Step:
         """Detokenize, apply stop strings, count; tokens after a stop string are dropped."""
+        self.received_ids.extend(token_ids)
         pairs = (
             [list(zip(lp.token_ids, lp.logprobs)) for lp in logprobs]
             if self.params.logprobs is not None

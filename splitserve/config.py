@@ -197,7 +197,14 @@ class PrefillPoolConfig(PoolConfig):
 
 
 class DecodePoolConfig(PoolConfig):
-    """The decode pool: a `PoolConfig` plus what only decode workers do."""
+    """The decode pool: a `PoolConfig` plus what only decode workers do.
+
+    `failover`: when a decode worker is lost mid-stream, the gateway resumes each of its
+    requests on another worker (re-prefill of prompt + the tokens already sent; the stream goes
+    on with no token repeated or missing); false ends those streams with a 503 error event.
+    """
+
+    failover: bool = True
 
 
 class CacheConfig(_Section):

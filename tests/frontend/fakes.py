@@ -1,8 +1,9 @@
 """Test doubles for the workers: fake Prefill and Decode servicers on real gRPC servers.
 
 The prefill fake returns `script[0]` as the first token; the decode fake streams the rest of
-the script one token per delta, then EOS. Both record every request and every Abort, and the
-decode fake stops a stream when its request is aborted.
+the script one token per delta, then EOS. A resumed request (decode failover: k
+`output_token_ids`) continues the script at position k in both. Both record every request
+and every Abort, and the decode fake stops a stream when its request is aborted.
 """
 
 from __future__ import annotations
@@ -59,13 +60,15 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
             raise self.crash_with
         if self.hold is not None:
             self.hold.wait(30)
-        first = self.script.token_ids[0]
+        position = len(request.output_token_ids)  # > 0: a decode failover resumes the request
+        script = self.script.token_ids
+        first = script[position] if position < len(script) else EOS_TOKEN_ID
         params = request.sampling_params
         finish = common_pb2.FINISH_REASON_UNSPECIFIED
         stop_token_id = None
         if first in params.stop_token_ids or (first == EOS_TOKEN_ID and not params.ignore_eos):
             finish, stop_token_id = common_pb2.FINISH_REASON_STOP, first
-        elif params.HasField("max_tokens") and params.max_tokens <= 1:
+        elif params.HasField("max_tokens") and params.max_tokens <= 1 + position:
             finish = common_pb2.FINISH_REASON_LENGTH
         response = prefill_pb2.PrefillResponse(
             request_id=request.request_id,
@@ -78,7 +81,7 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         )
         if stop_token_id is not None:
             response.stop_token_id = stop_token_id
-        logprobs = fake_logprobs(first, _num_top(params), 0)
+        logprobs = fake_logprobs(first, _num_top(params), position)
         if logprobs is not None:
             response.first_logprobs.CopyFrom(logprobs)
         if finish == common_pb2.FINISH_REASON_UNSPECIFIED:
@@ -155,7 +158,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         context.add_callback(wake.set)
         max_tokens = params.max_tokens if params.HasField("max_tokens") else 10**9
         script = self.script.token_ids
-        for position in range(1, max_tokens):
+        for position in range(1 + len(request.output_token_ids), max_tokens):
             if self.fail_after is not None and position > self.fail_after:
                 context.abort(grpc.StatusCode.INTERNAL, "fake decode worker crashed")
             if self.hang_after is not None and position > self.hang_after:

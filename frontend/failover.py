@@ -1,0 +1,136 @@
+"""Decode failover: a stream whose decode worker is lost goes on, exactly, on another worker.
+
+A decode stream is lost when its RPC breaks with UNAVAILABLE or CANCELLED from the server's
+side (the worker's process died or its server stopped; a worker that health checks find hung
+is killed and restarted by the controller, which breaks its streams the same way), or when the
+worker ends it without a finish reason. The gateway then routes the request again as if it
+were new (a reservation on a decode worker that answers, a prefill), except that the prefill
+runs prompt + every token the lost worker produced (`PrefillRequest.output_token_ids`) and
+samples the next one as output index len(those): greedy and seeded sampling, penalties,
+max_tokens and the detokenizer's state continue where the stream stopped, so the client sees
+no token repeated or missing. Tokens the lost worker made but never delivered are made again,
+the same ones.
+
+Bounded: at most `max_decode_failovers` per request, with a short backoff when no decode
+worker could take the request. With `decode_failover` off the stream ends with a 503 (an SSE
+error event when streaming). Every lost stream is counted in
+`splitserve_decode_failovers_total{outcome, method}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Protocol
+
+import grpc
+
+from frontend.clients import DecodeStream
+from frontend.errors import GatewayError
+from frontend.metrics import GatewayMetrics
+from frontend.router import Router
+from frontend.settings import GatewaySettings
+from frontend.steps import Step
+from splitserve.v1 import decode_pb2
+
+logger = logging.getLogger(__name__)
+
+METHOD_REPREFILL = "reprefill"  # prompt + tokens sent, prefilled again
+_LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+_BACKOFF_S = 0.25  # first wait before trying again when no decode worker took the request
+
+
+class WorkerLost(GatewayError):
+    """The decode worker of a stream is gone (or ended the stream early): fail over."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, message, code="decode_worker_lost")
+
+
+async def read_delta(stream: DecodeStream) -> decode_pb2.TokenDelta:
+    """The stream's next delta; `WorkerLost` when its worker is lost, else its GatewayError."""
+    try:
+        delta = await stream.read()
+    except GatewayError as exc:
+        cause = exc.__cause__
+        if isinstance(cause, grpc.aio.AioRpcError) and cause.code() in _LOST_CODES:
+            raise WorkerLost(exc.message) from exc
+        raise
+    if delta is None:
+        raise WorkerLost(f"decode worker {stream.address} ended the stream without a finish reason")
+    return delta
+
+
+class Resumable(Protocol):
+    """What failover needs of a generation (frontend.generate.Generation)."""
+
+    request_id: str
+
+    async def resume_elsewhere(self) -> Step:
+        """Drop the lost stream, route again, prefill prompt + every token received; the next step."""
+        ...
+
+
+class DecodeFailover:
+    """One generation's failovers: whether it may fail over, how many times it did, the metric.
+
+    Not shared between generations; not safe to drive from two tasks at once (nor is the
+    generation it serves).
+    """
+
+    def __init__(self, settings: GatewaySettings, router: Router, metrics: GatewayMetrics) -> None:
+        self.enabled = settings.decode_failover
+        self.max_attempts = settings.max_decode_failovers
+        self.num_attempts = 0
+        self._router = router
+        self._metrics = metrics
+
+    async def recover(self, gen: Resumable, lost: WorkerLost) -> Step:
+        """Resume `gen` on another decode worker: its next step. Raises a 503 GatewayError when
+        failover is off, exhausted, or every attempt failed."""
+        if not self.enabled:
+            self._count("disabled")
+            raise GatewayError(
+                503,
+                f"{lost.message}; decode.failover is off, so this stream ends here: retry the request",
+                code="decode_worker_lost",
+            ) from lost
+        why = lost.message
+        while True:
+            if self.num_attempts >= self.max_attempts:
+                self._count("exhausted")
+                raise GatewayError(
+                    503,
+                    f"{why}; gave up after {self.num_attempts} decode failovers for this request: retry it",
+                    code="decode_worker_lost",
+                ) from lost
+            if not self._router.prefill_addresses:
+                self._count("failed")
+                raise GatewayError(
+                    503,
+                    f"{why}; no prefill worker to resume it on (failover re-prefills): retry the request",
+                    code="decode_worker_lost",
+                ) from lost
+            self.num_attempts += 1
+            logger.warning(
+                "request %s: %s; resuming it elsewhere (failover %d of %d)",
+                gen.request_id,
+                why,
+                self.num_attempts,
+                self.max_attempts,
+            )
+            try:
+                step = await gen.resume_elsewhere()
+            except GatewayError as exc:
+                self._count("failed")
+                if exc.status_code not in (429, 503):  # a refusal retrying cannot change
+                    raise
+                why = f"{lost.message}; then {exc.message}"
+                await asyncio.sleep(_BACKOFF_S * 2 ** (self.num_attempts - 1))
+                continue
+            self._count("resumed")
+            return step
+
+    def _count(self, outcome: str) -> None:
+        metrics = self._metrics
+        metrics.decode_failovers.labels(metrics.model_name, outcome, METHOD_REPREFILL).inc()
