@@ -43,6 +43,9 @@ class EngineConfig:
     # the salt of the prefix names the engine makes itself (splitserve.prefix_hash): "" offline; a
     # cluster may pass its served model name, the salt of the chains its gateway sends
     prefix_salt: str = ""
+    # ReplaySSM (engine/replay_ring.py): KDA decode reads a checkpoint + a ring of this many step
+    # records and publishes them every window; 0: the plain recurrent path
+    replay_window: int = 0
 
     def __post_init__(self) -> None:
         positive = {
@@ -67,6 +70,8 @@ class EngineConfig:
                 f"retention_interval must be 0 or a multiple of prefix_unit ({self.prefix_unit}; "
                 f"got {self.retention_interval})"
             )
+        if self.replay_window < 0:
+            raise ValueError(f"replay_window must be 0 (off) or a number of steps (got {self.replay_window})")
         if self.snapshot_memory_bytes < 0:
             raise ValueError(f"snapshot_memory_bytes must be at least 0 (got {self.snapshot_memory_bytes})")
         if self.max_model_len is not None and self.max_model_len < 2:
