@@ -17,6 +17,8 @@ from splitserve.engine.cache_spec import CachePlan, context_len, plan_cache
 from splitserve.engine.loader import load_model
 from splitserve.engine.model_config import KimiLinearModelConfig
 from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.prefix_cache import ImportedPrefix, PrefixCacheStats, PrefixEvent, RetainedPrefix
+from splitserve.engine.prefix_cache.cache import PrefixCache, make_prefix_cache
 from splitserve.engine.replay_publish import ReplayListener, replay_publisher
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler
@@ -49,6 +51,7 @@ class RequestUpdate:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     queue_s: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (local or imported)
 
 
 class LLMEngine:
@@ -77,8 +80,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 block_size=config.block_size,
             ),
-            BlockAllocator(self.plan.num_blocks),
-            SlotAllocator(self.plan.num_slots, self.caches),
+            *self._block_pool(),
         )
         self.sampler = Sampler(mc.vocab_size, mc.eos_token_ids, device=self.device, base_seed=config.seed)
         self.runner = ModelRunner(self.model, self.caches, self.sampler, config.block_size, self.device)
@@ -86,12 +88,19 @@ class LLMEngine:
         self._sinks: dict[str, TransferSink] = {}  # reserved requests' state, written from any thread
         self._arrivals = itertools.count()
         logger.info(
-            "engine ready: %d KV blocks x %d tokens, %d state slots, %.1f MiB of cache",
+            "engine ready: %d KV blocks x %d tokens, %d state slots, %d prefix snapshots, %.1f MiB of cache",
             self.plan.num_blocks,
             config.block_size,
             self.plan.num_slots,
+            self.plan.num_snapshots,
             self.plan.total_bytes / 2**20,
         )
+
+    def _block_pool(self) -> tuple[BlockAllocator, SlotAllocator, PrefixCache | None]:
+        """The block and slot allocators, and the prefix cache when caching is on."""
+        self.prefix_cache = make_prefix_cache(self.config, self.plan, self.caches)
+        blocks = BlockAllocator(self.plan.num_blocks) if self.prefix_cache is None else self.prefix_cache.blocks
+        return blocks, SlotAllocator(self.plan.num_slots, self.caches), self.prefix_cache
 
     def _plan_cache(self) -> tuple[CachePlan, int]:
         """The cache plan and max_model_len (the budget defaulted if not given); logs a chosen length."""
@@ -126,9 +135,16 @@ class LLMEngine:
         prompt: str | None = None,
         export: Callable[[LayerState], None] | None = None,
         *,
+        prefix_hashes: list[bytes] | None = None,
+        imported_prefix: ImportedPrefix | None = None,
         output_token_ids: list[int] | None = None,
     ) -> Request:
         """Validate and queue; raises ValueError naming what is wrong with the request.
+
+        `prefix_hashes` is the prompt's hash chain (`splitserve.prefix_hash`, one name per whole
+        `prefix_unit`, the gateway's salt); without it a caching engine names the prompt itself
+        (salt `config.prefix_salt`, "" by default). `imported_prefix` is a prefix's state fetched
+        from elsewhere (see `ImportedPrefix`). Both are ignored when prefix caching is off.
 
         `output_token_ids`: tokens this request already generated elsewhere (decode failover): the
         engine computes prompt + these and samples the next as output index len(output_token_ids),
@@ -143,8 +159,11 @@ class LLMEngine:
         request = self._new_request(request_id, prompt_token_ids, params, prompt)
         if output_token_ids:
             request.output_token_ids = self._resumed_outputs(request, output_token_ids)
+            request.num_given_output_tokens = len(request.output_token_ids)
         request.prefill_only = export is not None
         request.export = export
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_request(request, prefix_hashes, imported_prefix)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request
@@ -297,6 +316,20 @@ class LLMEngine:
             raise ValueError("this engine decodes without ReplaySSM rings: set replay_window to publish")
         self.replay.listener = fn
 
+    def set_retention_listener(self, fn: Callable[[RetainedPrefix], None] | None) -> None:
+        """Call `fn` on the engine thread with a copy of each retained prefix's state (queue it,
+        never block); None stops. Without prefix caching nothing is ever retained."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.listener = fn
+
+    def take_prefix_events(self) -> list[PrefixEvent]:
+        """Prefix events since the last call (`stored` and `removed`, for a router's index)."""
+        return self.prefix_cache.take_events() if self.prefix_cache is not None else []
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """The prefix cache's counters since start (all zero without caching)."""
+        return self.prefix_cache.current_stats() if self.prefix_cache is not None else PrefixCacheStats()
+
     @property
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -338,6 +371,7 @@ class LLMEngine:
                     finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,
                     queue_s=request.take_queue_s(),
+                    num_cached_tokens=request.num_cached_tokens,
                 )
             )
         return updates
