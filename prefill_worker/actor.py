@@ -18,5 +18,7 @@ class PrefillWorkerActor(WorkerActorBase):
         from prefill_worker.servicer import PrefillServicer
         from splitserve.v1 import prefill_pb2_grpc
 
-        servicer = self.servicer = PrefillServicer(self.loop, self.worker_id)
+        servicer = self.servicer = PrefillServicer(
+            self.loop, self.worker_id, store_address=self.store_address
+        )
         return lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)

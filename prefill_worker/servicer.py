@@ -10,6 +10,7 @@ import time
 
 import grpc
 
+from prefill_worker.prefix_reuse import PrefixReuse
 from prefill_worker.state_writer import NoStateWriter, StateWriter
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import HANDOFF, RequestUpdate
@@ -25,14 +26,20 @@ logger = logging.getLogger(__name__)
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
-    """Owns nothing but in-flight bookkeeping; the engine loop owns the engine."""
+    """Owns in-flight bookkeeping and, with prefix caching on and a node store, the worker's side
+    of the cluster prefix cache (`PrefixReuse`); the engine loop owns the engine."""
 
-    def __init__(self, loop: EngineLoop, worker_id: str, request_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, loop: EngineLoop, worker_id: str, request_timeout_s: float = 300.0, store_address: str = ""
+    ) -> None:
         self.loop = loop
         self.worker_id = worker_id
         self.request_timeout_s = request_timeout_s
         self._stores: dict[str, StateStoreClient] = {}  # one per decode target's store, kept open
         self._lock = threading.Lock()
+        self.prefixes = (
+            PrefixReuse(loop, worker_id, store_address) if PrefixReuse.enabled(loop, store_address) else None
+        )
 
     def _store(self, address: str) -> StateStoreClient:
         with self._lock:
@@ -41,7 +48,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             return self._stores[address]
 
     def close(self) -> None:
-        """Close the channels to every store this worker wrote to."""
+        """Stop publishing prefixes; close the channels to every store this worker wrote to."""
+        if self.prefixes is not None:
+            self.prefixes.close()
         with self._lock:
             stores, self._stores = list(self._stores.values()), {}
         for store in stores:
@@ -81,9 +90,21 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
         self.loop.watch(rid, on_update)
         prompt, sent = list(request.prompt_token_ids), list(request.output_token_ids)  # sent: failover
+        chain, imported = list(request.prefix_hashes) or None, None  # None: the engine hashes the prompt
+        if self.prefixes is not None:  # a prefix the stores hold further than the engine streams in
+            chain = self.prefixes.chain_of(prompt, chain)
+            imported = self.prefixes.fetch(chain, prompt, request.store_address)
         try:
             self.loop.call(
-                lambda e: e.add_request(rid, prompt, params, export=export, output_token_ids=sent)
+                lambda e: e.add_request(
+                    rid,
+                    prompt,
+                    params,
+                    export=export,
+                    output_token_ids=sent,
+                    prefix_hashes=chain,
+                    imported_prefix=imported,
+                )
             ).result()
         except ValueError as exc:
             self.loop.unwatch(rid)

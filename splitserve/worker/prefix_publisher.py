@@ -14,6 +14,7 @@ import itertools
 import logging
 import queue
 import threading
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -54,6 +55,7 @@ class PrefixPublisher:
         self.worker_id = worker_id
         self.stats = PublisherStats()
         self._queue: queue.Queue[RetainedPrefix | None] = queue.Queue(max_pending)
+        self._name = uuid.uuid4().hex[:16]  # keys unique across workers, also two in one process
         self._seq = itertools.count()
         self._idle = threading.Condition()
         self._busy = 0  # offered and not yet written or dropped
@@ -114,7 +116,7 @@ class PrefixPublisher:
         if held.num_units == len(prefix.hash_chain) and held.num_tokens >= prefix.num_tokens:
             self.stats.num_already_stored += 1
             return
-        key = f"prefix-{self.worker_id}-{next(self._seq)}"
+        key = f"prefix-{self._name}-{next(self._seq)}"
         _, num_bytes = self.client.put(
             self._chunks(prefix, key), owner=OWNER, lease_s=WRITE_LEASE_S, seal=True
         )

@@ -1,0 +1,91 @@
+"""A prefill worker's side of the cluster prefix cache: publish what its engine retains to the
+node's store, and import from the stores what its engine would otherwise recompute."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from splitserve.engine.engine_loop import EngineLoop
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.prefix_cache.imported import ImportedPrefix
+from splitserve.engine.prefix_cache.match import find_hit
+from splitserve.engine.request import Request
+from splitserve.prefix_hash import prefix_hash_chain
+from splitserve.sampling_params import SamplingParams
+from splitserve.state.client import StateStoreClient
+from splitserve.worker.prefix_fetcher import PrefixFetcher
+from splitserve.worker.prefix_publisher import PrefixPublisher
+
+LOOKUP_TIMEOUT_S = 5.0  # a store that does not answer a lookup in this long is skipped: compute instead
+
+
+class PrefixReuse:
+    """Owns the publisher to this node's store and the clients of every store it looks prefixes up
+    in (this node's first, then any the requests name, such as the decode target's).
+
+    Promises: nothing here fails a request. A prompt whose chain the store matches further than
+    the engine's own cache is served from the store's state; anything else (no match, a store
+    down, a corrupt or incomplete state) computes the prompt as if caching were local only.
+    """
+
+    def __init__(self, loop: EngineLoop, worker_id: str, store_address: str) -> None:
+        self.loop = loop
+        self.store_address = store_address
+        self.unit = loop.engine.config.prefix_unit
+        self.salt = loop.engine.config.prefix_salt.encode()  # what the engine names prompts with itself
+        self._clients: dict[str, StateStoreClient] = {}
+        self._lock = threading.Lock()
+        self.publisher = PrefixPublisher(self._client(store_address), worker_id)
+        self.fetcher = PrefixFetcher(loop.engine.caches)
+        loop.call(lambda e: e.set_retention_listener(self.publisher.offer)).result()
+
+    @staticmethod
+    def enabled(loop: EngineLoop, store_address: str) -> bool:
+        return bool(store_address) and bool(loop.engine.config.enable_prefix_caching)
+
+    def chain_of(self, prompt_token_ids: Sequence[int], sent: Sequence[bytes] | None) -> list[bytes]:
+        """The request's chain: the gateway's if it sent one, else the one the engine would make."""
+        return list(sent) if sent else prefix_hash_chain(prompt_token_ids, self.unit, self.salt)
+
+    def fetch(
+        self, chain: list[bytes], prompt_token_ids: Sequence[int], other_store: str = ""
+    ) -> ImportedPrefix | None:
+        """The stored state of this prompt's longest prefix, if longer than the engine's own hit."""
+        if not chain:
+            return None
+        num_local = self.loop.call(lambda e: local_hit_tokens(e, chain, prompt_token_ids)).result()
+        if num_local >= len(prompt_token_ids) - 1:
+            return None  # nothing a store holds could beat it (the last token is always computed)
+        addresses = [self.store_address] + (
+            [other_store] if other_store not in ("", self.store_address) else []
+        )
+        stores = [self._client(address) for address in addresses]
+        return self.fetcher.fetch(stores, chain, prompt_token_ids, num_local)
+
+    def close(self) -> None:
+        self.loop.call(lambda e: e.set_retention_listener(None))
+        self.publisher.close()
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            client.close()
+
+    def _client(self, address: str) -> StateStoreClient:
+        with self._lock:
+            if address not in self._clients:
+                self._clients[address] = StateStoreClient(address, timeout_s=LOOKUP_TIMEOUT_S)
+            return self._clients[address]
+
+
+def local_hit_tokens(engine: LLMEngine, chain: list[bytes], prompt_token_ids: Sequence[int]) -> int:
+    """Prompt tokens the engine's own cache would serve this prompt now (engine thread; reads
+    the cache's index, moves nothing). The engine's admission finds the same hit (`find_hit`)."""
+    cache = engine.prefix_cache
+    if cache is None or len(prompt_token_ids) < 2:
+        return 0
+    probe = Request("__prefix_probe__", list(prompt_token_ids), SamplingParams(max_tokens=1), 1, -1)
+    probe.prefix_hashes = list(chain)
+    limit = len(prompt_token_ids) - 1  # as admission: the last token is always computed
+    match = find_hit(cache, probe, cache.naming.chain(probe, limit), limit)
+    return match.hit.num_tokens if match.hit is not None else 0

@@ -1,0 +1,138 @@
+"""A prefix computed on prefill worker A is served on prefill worker B through the node's store,
+with the tokens of caching off; a lost or corrupt stored piece is recomputed, never served."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from decode_worker.actor import DecodeWorkerActor
+from prefill_worker.actor import PrefillWorkerActor
+from splitserve import LLM, SamplingParams
+from splitserve.state import StateKind
+from state_store.config import StoreConfig
+from state_store.server import StateStoreServer
+from state_store.store import StateStore
+from tests.workers.client import generate
+
+UNIT = 16
+WAIT_S = 60.0
+
+
+def _params(seeded: bool) -> SamplingParams:
+    if seeded:
+        return SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True)
+    return SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def _turns(first: int) -> tuple[list[int], list[int]]:
+    """A first prompt ending inside a unit, and a second turn that re-sends it and goes on."""
+    prompt = list(range(first, first + 5 * UNIT + 7))
+    return prompt, prompt + list(range(first + 200, first + 230))
+
+
+@pytest.fixture(scope="module")
+def caching_config(engine_config):
+    return dataclasses.replace(engine_config, enable_prefix_caching=True, prefix_unit=UNIT)
+
+
+@pytest.fixture(scope="module")
+def node(caching_config):
+    """One store, prefill workers A and B and a decode worker, all caching, all on this 'node'."""
+    store = StateStore.from_config(StoreConfig(memory_bytes=64 << 20, arena_root=None))
+    server = StateStoreServer(store, "127.0.0.1", 0)
+    workers = {
+        "a": PrefillWorkerActor(caching_config, server.address),
+        "b": PrefillWorkerActor(caching_config, server.address),
+        "decode": DecodeWorkerActor(caching_config, server.address),
+    }
+    addresses = {name: w.start("127.0.0.1", 0) for name, w in workers.items()}
+    yield store, workers, addresses
+    for w in workers.values():
+        w.shutdown()
+    server.stop(grace_s=0)
+    store.close()
+
+
+@pytest.fixture(scope="module")
+def reference(engine_config):
+    """Caching off: the tokens every run must give."""
+    llm = LLM(model=engine_config.model, max_model_len=512)
+
+    def run(prompt: list[int], params: SamplingParams) -> list[int]:
+        return llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0].outputs[0].token_ids
+
+    return run
+
+
+def _published_on_a(workers, addresses, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
+    tokens = generate(addresses["a"], addresses["decode"], rid, prompt, params).token_ids
+    assert workers["a"].servicer.prefixes.publisher.wait_idle(WAIT_S)
+    return tokens
+
+
+def _imported_tokens(worker) -> int:
+    return worker.loop.call(lambda e: e.prefix_cache_stats().num_imported_tokens).result(WAIT_S)
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_a_prefix_computed_on_a_hits_on_b_through_the_store(node, reference, seeded):
+    store, workers, addresses = node
+    first, second = _turns(100 if seeded else 500)
+    params = _params(seeded)
+    assert _published_on_a(workers, addresses, f"a-{seeded}", first, params) == reference(first, params)
+    assert store.stats().num_prefix_keys >= 1
+    fetcher = workers["b"].servicer.prefixes.fetcher
+    hits, imported = fetcher.stats.num_hits, _imported_tokens(workers["b"])
+    got = generate(addresses["b"], addresses["decode"], f"b-{seeded}", second, params).token_ids
+    assert got == reference(second, params)
+    assert fetcher.stats.num_hits == hits + 1
+    assert _imported_tokens(workers["b"]) == imported + len(first)  # the whole first turn, tail and all
+    # B now holds the second turn itself: a third turn hits locally and streams nothing in
+    third = second + [9, 8, 7]
+    not_longer = fetcher.stats.num_not_longer
+    assert generate(
+        addresses["b"], addresses["decode"], f"b3-{seeded}", third, params
+    ).token_ids == reference(third, params)
+    assert fetcher.stats.num_hits == hits + 1 and fetcher.stats.num_not_longer == not_longer + 1
+
+
+def test_a_lost_piece_is_not_served_and_the_prompt_is_recomputed(node, reference):
+    store, workers, addresses = node
+    first, second = _turns(900)
+    params = _params(False)
+    _published_on_a(workers, addresses, "a-lost", first, params)
+    found = store.match_prefix(workers["b"].servicer.prefixes.chain_of(second, None), second[:-1])
+    assert found.num_tokens == len(first)
+    lost = next(c for c in store.lookup(found.key).chunks if c.kind is StateKind.KDA_RECURRENT)
+    store._tiers.remove(lost.id)  # one snapshot piece gone from the tiers
+    fetcher = workers["b"].servicer.prefixes.fetcher
+    failures, imported = fetcher.stats.num_failures, _imported_tokens(workers["b"])
+    got = generate(addresses["b"], addresses["decode"], "b-lost", second, params).token_ids
+    assert got == reference(second, params)
+    assert fetcher.stats.num_failures == failures + 1 and _imported_tokens(workers["b"]) == imported
+    assert store.lookup(found.key) is None  # the store dropped it whole: no longer advertised
+
+
+def test_a_corrupt_stored_snapshot_is_recomputed_and_counted(node, reference, monkeypatch):
+    store, workers, addresses = node
+    first, second = _turns(1300)
+    params = _params(True)
+    _published_on_a(workers, addresses, "a-corrupt", first, params)
+    key = store.match_prefix(workers["b"].servicer.prefixes.chain_of(second, None), second[:-1]).key
+    real_fetch = store._tiers.fetch
+
+    def corrupting_fetch(cid):  # type: ignore[no-untyped-def]
+        data = real_fetch(cid)
+        if data is None or cid.key != key or cid.kind is not StateKind.KDA_RECURRENT:
+            return data
+        return bytes([data[0] ^ 0x10]) + bytes(data[1:])
+
+    monkeypatch.setattr(store._tiers, "fetch", corrupting_fetch)
+    fetcher = workers["b"].servicer.prefixes.fetcher
+    failures, corruptions = fetcher.stats.num_failures, store.stats().num_corruptions
+    got = generate(addresses["b"], addresses["decode"], "b-corrupt", second, params).token_ids
+    assert got == reference(second, params)
+    assert fetcher.stats.num_failures == failures + 1
+    assert store.stats().num_corruptions == corruptions + 1 and store.lookup(key) is None
