@@ -202,9 +202,14 @@ class DecodePoolConfig(PoolConfig):
     `failover`: when a decode worker is lost mid-stream, the gateway resumes each of its
     requests on another worker (re-prefill of prompt + the tokens already sent; the stream goes
     on with no token repeated or missing); false ends those streams with a 503 error event.
+    `replay_window`: KDA decode in ReplaySSM form with a ring of this many step records, published
+    every window (engine/replay_publish.py); 0 runs the plain recurrent path.
     """
 
     failover: bool = True
+    # ReplaySSM: KDA decode keeps a checkpoint + a ring of this many step records per layer and
+    # publishes them every window (0: the plain recurrent path, nothing published)
+    replay_window: int = Field(default=16, ge=0)
 
 
 class CacheConfig(_Section):
@@ -326,6 +331,7 @@ class ClusterConfig(_Section):
             retention_interval=self.cache.retention_interval,
             selective_retention=self.cache.selective_retention,
             snapshot_memory_bytes=self.cache.snapshot_memory_bytes,
+            replay_window=getattr(section, "replay_window", 0),  # a decode pool's key only
         )
 
     def to_yaml(self) -> str:

@@ -52,6 +52,8 @@ class SnapshotPool:
         if not self._free:
             self.evict(next(iter(self._rows)))
         row = self._free.pop()
+        if self._caches.replay is not None:
+            self._caches.replay.flush(slot)  # ReplaySSM: the pool holds a checkpoint until flushed
         for i, lid in enumerate(self._layer_ids):
             self._conv[i][row].copy_(self._caches.kda_conv[lid][slot])
             self._rec[i][row].copy_(self._caches.kda_recurrent[lid][slot])
