@@ -36,9 +36,10 @@ class PrefixReuse:
         self.salt = loop.engine.config.prefix_salt.encode()  # what the engine names prompts with itself
         self._clients: dict[str, StateStoreClient] = {}
         self._lock = threading.Lock()
-        self.publisher = PrefixPublisher(self._client(store_address), worker_id)
+        publisher = PrefixPublisher.attach(loop, worker_id, store_address)
+        assert publisher is not None  # `enabled` said caching is on and there is a store
+        self.publisher = publisher
         self.fetcher = PrefixFetcher(loop.engine.caches)
-        loop.call(lambda e: e.set_retention_listener(self.publisher.offer)).result()
 
     @staticmethod
     def enabled(loop: EngineLoop, store_address: str) -> bool:
@@ -64,8 +65,7 @@ class PrefixReuse:
         return self.fetcher.fetch(stores, chain, prompt_token_ids, num_local)
 
     def close(self) -> None:
-        self.loop.call(lambda e: e.set_retention_listener(None))
-        self.publisher.close()
+        self.publisher.detach(self.loop)
         with self._lock:
             clients, self._clients = list(self._clients.values()), {}
         for client in clients:

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.prefix_cache.retained import RetainedPrefix
 from splitserve.engine.state_codec import encode
 from splitserve.state import Chunk
@@ -26,6 +27,7 @@ from splitserve.state.client import StateStoreClient
 logger = logging.getLogger(__name__)
 
 OWNER = "prefix-cache"  # not the worker's id: a worker's restart or release frees its own keys, not these
+CLIENT_TIMEOUT_S = 10.0  # a store that does not answer a lookup or registration this fast: count a failure
 WRITE_LEASE_S = 120.0  # until Register retains the key; a write that never registers frees itself
 
 
@@ -57,6 +59,7 @@ class PrefixPublisher:
         self._queue: queue.Queue[RetainedPrefix | None] = queue.Queue(max_pending)
         self._name = uuid.uuid4().hex[:16]  # keys unique across workers, also two in one process
         self._seq = itertools.count()
+        self._owns_client = False  # `attach` made the client: `close` closes it
         self._idle = threading.Condition()
         self._busy = 0  # offered and not yet written or dropped
         self._thread = threading.Thread(target=self._run, name=f"prefix-publisher-{worker_id}", daemon=True)
@@ -93,6 +96,26 @@ class PrefixPublisher:
                 except queue.Empty:
                     pass
         self._thread.join(timeout_s)
+        if self._owns_client:
+            self.client.close()
+
+    @classmethod
+    def attach(cls, loop: EngineLoop, worker_id: str, store_address: str) -> PrefixPublisher | None:
+        """A publisher of `loop`'s engine's retained prefixes to the store at `store_address` (a
+        client of its own), listening from now on; None when the engine caches no prefixes or
+        there is no store. `detach` it before the loop stops."""
+        if not store_address or not loop.engine.config.enable_prefix_caching:
+            return None
+        publisher = cls(StateStoreClient(store_address, timeout_s=CLIENT_TIMEOUT_S), worker_id)
+        publisher._owns_client = True
+        loop.call(lambda e: e.set_retention_listener(publisher.offer)).result()
+        return publisher
+
+    def detach(self, loop: EngineLoop) -> None:
+        """Stop listening to `loop`'s engine, then `close`."""
+        if loop.alive:
+            loop.call(lambda e: e.set_retention_listener(None)).result()
+        self.close()
 
     def _run(self) -> None:
         while (prefix := self._queue.get()) is not None:

@@ -136,3 +136,18 @@ def test_a_corrupt_stored_snapshot_is_recomputed_and_counted(node, reference, mo
     assert got == reference(second, params)
     assert fetcher.stats.num_failures == failures + 1
     assert store.stats().num_corruptions == corruptions + 1 and store.lookup(key) is None
+
+
+def test_the_next_turn_hits_the_prompt_and_reply_the_decode_worker_kept(node, reference):
+    store, workers, addresses = node
+    first = list(range(1700, 1700 + 3 * UNIT + 2))
+    params = _params(False)
+    reply = generate(addresses["a"], addresses["decode"], "turn-1", first, params).token_ids
+    assert workers["decode"].prefix_publisher.wait_idle(WAIT_S)
+    second = first + reply + [11, 12, 13, 14]
+    imported = _imported_tokens(workers["b"])
+    assert generate(addresses["b"], addresses["decode"], "turn-2", second, params).token_ids == reference(
+        second, params
+    )
+    # everything the first turn computed: its prompt and every reply token but the last sampled one
+    assert _imported_tokens(workers["b"]) == imported + len(first) + len(reply) - 1
