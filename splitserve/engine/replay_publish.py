@@ -72,10 +72,13 @@ class ReplayPublisher:
         self.ring = ring
         self.block_size = block_size
         self.listener: ReplayListener | None = None
-        self._published_to: dict[str, int] = {}
+        # request id -> (its arrival number, where its last publish ended); the arrival tells a
+        # request from an earlier one of the same id (an abort leaves its entry behind)
+        self._published_to: dict[str, tuple[int, int]] = {}
 
     def after_step(self, requests: list[Request]) -> None:
-        """Publish every request among `requests` (this step's) whose slot folded a full window."""
+        """Publish every unfinished request among `requests` (this step's) whose slot folded a
+        full window; forget the finished ones."""
         folded = self.ring.take_folds()
         for req in requests:
             if req.finished or req.prefill_only:
@@ -86,7 +89,9 @@ class ReplayPublisher:
     def _publish(self, req: Request) -> ReplayPublish:
         assert req.state_slot is not None
         slot, window, end = req.state_slot, self.ring.window, req.num_computed_tokens
-        start = self._published_to.get(req.request_id, req.num_prompt_tokens)
+        arrival, start = self._published_to.get(req.request_id, (req.arrival, req.num_prompt_tokens))
+        if arrival != req.arrival:
+            start = req.num_prompt_tokens
         extends = end - window == start
         kda = []
         for lid, layer in self.ring.layers.items():
@@ -98,7 +103,7 @@ class ReplayPublisher:
             kda.append(piece)
         rows = token_rows(req.block_table, end, self.block_size, start)
         mla = [extract_mla_rows(self.caches, lid, rows, start, end) for lid in self.caches.mla_kv]
-        self._published_to[req.request_id] = end
+        self._published_to[req.request_id] = (req.arrival, end)
         return ReplayPublish(req.request_id, start, end, kda, mla)
 
 
