@@ -345,8 +345,6 @@ class LLMEngine:
                 s.request.first_scheduled_s = now
         result = self.runner.execute(output.scheduled)
         self.scheduler.postprocess(output, result.token_ids)
-        if self.replay is not None:
-            self.replay.after_step([s.request for s in output.scheduled])
         updates = []
         for s in output.scheduled:
             request = s.request
@@ -374,4 +372,6 @@ class LLMEngine:
                     num_cached_tokens=request.num_cached_tokens,
                 )
             )
+        if self.replay is not None:  # after the stops: a finished request publishes nothing more
+            self.replay.after_step([s.request for s in output.scheduled])
         return updates
