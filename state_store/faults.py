@@ -8,14 +8,17 @@ changes, so one running cluster can go through several faults, and may hold:
   transfer would (the writer's request then fails; the store keeps nothing new of it);
 * `"flip_every": N` with `"flip_kind"` ("mla_kv", "kda_conv", "kda_recurrent" or "" for any):
   one byte of every Nth such chunk is flipped before the store takes it (in the message, or in
-  the shared-memory region the writer filled), so whoever checks its checksum next must refuse it.
+  the shared-memory region the writer filled), so whoever checks its checksum next must refuse it;
+* `"hold_puts": true`: every chunk waits until the file no longer says so (a stalled transfer,
+  so a test can act while a request's state is on its way).
 
 Counters restart whenever the file changes. Each fault is appended to `<file>.log` as one line,
-"fail <key>" or "flip <kind> <key>", so a test knows which requests it hit.
+"fail <key>", "flip <kind> <key>" or "hold <key>" (once per key), so a test knows what it hit.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import threading
@@ -35,11 +38,12 @@ class FaultSpec:
     fail_every: int = 0
     flip_every: int = 0
     flip_kind: str = ""
+    hold_puts: bool = False
 
     @classmethod
     def parse(cls, text: str, path: str) -> FaultSpec:
         fields = json.loads(text or "{}")
-        unknown = set(fields) - {"fail_every", "flip_every", "flip_kind"}
+        unknown = set(fields) - {"fail_every", "flip_every", "flip_kind", "hold_puts"}
         if unknown:
             raise ValueError(f"{path}: unknown fault keys {sorted(unknown)}; see state_store/faults.py")
         return cls(**fields)
@@ -55,17 +59,20 @@ class StoreFaults:
         self._spec = FaultSpec()
         self._num_chunks = 0
         self._num_flippable = 0
+        self._held_keys: set[str] = set()
 
     @classmethod
     def from_env(cls) -> StoreFaults | None:
         path = os.environ.get(ENV_VAR)
         return cls(path) if path else None
 
-    def on_chunk(self, msg: common_pb2.StateChunk, arena_directory: Path | None) -> str | None:
-        """Applies the spec to one Put message: flips a byte in place if it is due, and returns
-        why the Put must fail now, or None to go on."""
+    async def before_chunk(self, msg: common_pb2.StateChunk, arena_directory: Path | None) -> str | None:
+        """Applies the spec to one Put message: waits while puts are held, flips a byte in place if
+        it is due, and returns why the Put must fail now, or None to go on."""
         if is_seal(msg):
             return None
+        while self._holding(msg.key):
+            await asyncio.sleep(0.05)  # polls the file: a test hook, never armed in a deployment
         with self._lock:
             spec = self._reload_locked()
             self._num_chunks += 1
@@ -82,6 +89,15 @@ class StoreFaults:
         _flip_one_byte(msg, arena_directory)
         return None
 
+    def _holding(self, key: str) -> bool:
+        with self._lock:
+            if not self._reload_locked().hold_puts:
+                return False
+            if key not in self._held_keys:
+                self._held_keys.add(key)
+                self._log(f"hold {key}")
+            return True
+
     def _reload_locked(self) -> FaultSpec:
         try:
             st = os.stat(self.path)
@@ -92,6 +108,7 @@ class StoreFaults:
             self._stamp = stamp
             self._spec = FaultSpec.parse(Path(self.path).read_text(), self.path)
             self._num_chunks = self._num_flippable = 0
+            self._held_keys.clear()
         return self._spec
 
     def _log(self, line: str) -> None:
@@ -111,4 +128,3 @@ def _flip_one_byte(msg: common_pb2.StateChunk, arena_directory: Path | None) -> 
     elif msg.data:
         at = len(msg.data) // 2
         msg.data = msg.data[:at] + bytes([msg.data[at] ^ 0x01]) + msg.data[at + 1 :]
-

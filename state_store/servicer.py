@@ -65,7 +65,7 @@ class StateStoreServicer(store_pb2_grpc.StateStoreServicer):
             async for msg in request_iterator:
                 if self._faults is not None:
                     arena = self.store.arena.directory if self.store.arena is not None else None
-                    if (fault := self._faults.on_chunk(msg, arena)) is not None:
+                    if (fault := await self._faults.before_chunk(msg, arena)) is not None:
                         await context.abort(grpc.StatusCode.UNAVAILABLE, fault)
                 lease_s = msg.lease_s or None
                 if is_seal(msg):
