@@ -36,6 +36,7 @@ from deploy.room import PlacementError, check_room, check_start_room, held_resou
 from deploy.starter import ActorStarter
 from deploy.status import build_status
 from splitserve.config import ClusterConfig
+from splitserve.rpc_auth import new_cluster_token
 
 CONTROLLER_NAME = "splitserve-controller"
 NAMESPACE = "splitserve"
@@ -53,11 +54,18 @@ class Controller:
     they never interleave; `status()` takes no lock.
     """
 
-    def __init__(self, config: ClusterConfig, actor_classes: dict[str, type] | None = None) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        actor_classes: dict[str, type] | None = None,
+        cluster_token: str | None = None,
+    ) -> None:
         self._config = config
         self._roster = Roster()
         self._node_ips = NodeIps()
-        self._starter = ActorStarter(config, self._roster, self._node_ips, actor_classes)
+        # The deployment's shared secret for internal gRPC (splitserve.rpc_auth); never logged.
+        self._token = cluster_token or new_cluster_token()
+        self._starter = ActorStarter(config, self._roster, self._node_ips, actor_classes, self._token)
         self._publisher = WorkerPublisher(config.mode, self._roster, config.health.timeout_s)
         self._health = HealthWatcher(config.health, self._roster, self._starter, self._publisher)
         self._lock = asyncio.Lock()
@@ -149,6 +157,11 @@ class Controller:
             published=self._publisher.published,
             node_ips=self._node_ips,
         )
+
+    async def cluster_token(self) -> str:
+        """The deployment's internal gRPC token, for a driver attached to this Ray cluster that calls
+        workers or stores directly (it could already run code in any actor). Never log it."""
+        return self._token
 
     async def worker_handle(self, pool: str, index: int) -> Any:
         """The actor handle of one worker (by its index in `status()`), or None while it is down."""

@@ -39,6 +39,7 @@ from deploy.local_deployments import (
 from deploy.ray_connection import attach, ensure_auth_token, gcs_reachable, limit_shutdown_flush
 from frontend.server import GatewayBindError, bind_listening_socket
 from splitserve.config import ClusterConfig
+from splitserve.rpc_auth import cluster_token, new_cluster_token, set_cluster_token
 
 __all__ = ["ClusterError", "ClusterHandle", "fetch_status", "resize_pool", "run_cluster"]
 
@@ -65,6 +66,7 @@ class ClusterHandle:
     ) -> None:
         self.controller = controller
         self.started_ray = started_ray
+        self.cluster_token: str | None = None  # set once the controller has it (never log it)
         self.address = address
         self.namespace = namespace or namespace_for(DEFAULT_NAME)
         self._stop_timeout_s = stop_timeout_s
@@ -93,6 +95,8 @@ class ClusterHandle:
         if self._stopped:
             return
         self._stopped = True
+        if self.cluster_token is not None and cluster_token() == self.cluster_token:
+            set_cluster_token(None)  # the deployment is gone: this process holds no token for it
         ray_alive = gcs_reachable(self.address)
         try:
             if ray_alive:
@@ -177,8 +181,9 @@ def run_cluster(
     check_memory_plan(config, detect_device=on_this_machine)
     started_ray, ray_address = _connect(config, address, name)
     handle: ClusterHandle | None = None
+    token = new_cluster_token()  # this deployment's internal gRPC secret: to Ray only, never logged
     try:
-        controller = _create_controller(deployment_paths(config, name), namespace, actor_classes)
+        controller = _create_controller(deployment_paths(config, name), namespace, actor_classes, token)
         handle = ClusterHandle(
             controller,
             started_ray=started_ray,
@@ -186,6 +191,8 @@ def run_cluster(
             address=ray_address,
             namespace=namespace,
         )
+        set_cluster_token(token)  # this process may call the workers and stores directly too
+        handle.cluster_token = token
         wait_for(controller.start.remote(), ray_address, None)
         _wait_healthy(handle, config.health.start_timeout_s)
         return handle
@@ -331,7 +338,9 @@ def check_memory_plan(config: ClusterConfig, *, detect_device: bool) -> None:
         )
 
 
-def _create_controller(config: ClusterConfig, namespace: str, actor_classes: dict[str, type] | None) -> Any:
+def _create_controller(
+    config: ClusterConfig, namespace: str, actor_classes: dict[str, type] | None, cluster_token: str
+) -> Any:
     try:
         ray.get_actor(CONTROLLER_NAME, namespace=namespace)
     except ValueError:
@@ -351,7 +360,7 @@ def _create_controller(config: ClusterConfig, namespace: str, actor_classes: dic
             max_restarts=0,
             resources={HEAD_NODE_RESOURCE: 0.001},
         )
-        .remote(config, actor_classes)
+        .remote(config, actor_classes, cluster_token)
     )
 
 

@@ -28,13 +28,21 @@ class ActorStarter:
     deploy/actors.py) and what the workers are built from (one `EngineConfig` per pool, from
     the model path resolved once in `prepare`). Every worker gets the address of its own
     node's store, which is started first; a member whose `start()` fails or overruns
-    `health.start_timeout_s` raises `StartError` naming it.
+    `health.start_timeout_s` raises `StartError` naming it. Every actor is handed the
+    deployment's `cluster_token` (splitserve.rpc_auth) through Ray before its `start()`, so its
+    gRPC servers refuse callers from outside the deployment and its channels are let in.
     """
 
     def __init__(
-        self, config: ClusterConfig, roster: Roster, node_ips: NodeIps, overrides: dict[str, type] | None
+        self,
+        config: ClusterConfig,
+        roster: Roster,
+        node_ips: NodeIps,
+        overrides: dict[str, type] | None,
+        cluster_token: str,
     ) -> None:
         self._config = config
+        self._token = cluster_token
         self._roster = roster
         self._node_ips = node_ips
         self._overrides = dict(overrides or {})
@@ -146,6 +154,7 @@ class ActorStarter:
         return its address."""
         timeout_s = self._config.health.start_timeout_s
         try:
+            await call(member.handle.__ray_call__.remote(_hold_cluster_token, self._token), timeout_s)
             address = await call(member.handle.start.remote(host, port), timeout_s)
             where = member.handle.__ray_call__.remote(_node_and_pid_of_actor)
             member.node_id, member.pid = await call(where, timeout_s)
@@ -164,6 +173,13 @@ class ActorStarter:
         if kind not in self._classes:
             self._classes[kind] = load_actor_class(kind, self._overrides.get(kind))
         return self._classes[kind]
+
+
+def _hold_cluster_token(_self: Any, token: str) -> None:
+    """Runs in the actor's process: its servers and channels from now on require and send `token`."""
+    from splitserve.rpc_auth import set_cluster_token
+
+    set_cluster_token(token)
 
 
 def _node_and_pid_of_actor(_self: Any) -> tuple[str, int]:

@@ -13,7 +13,7 @@ from typing import TypeVar
 import grpc
 
 from frontend.errors import GatewayError
-from splitserve.rpc import channel_options
+from splitserve.rpc import channel_options, make_aio_channel
 from splitserve.v1 import (
     decode_pb2,
     decode_pb2_grpc,
@@ -69,7 +69,7 @@ class WorkerClients:
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = make_aio_channel(address)  # carries the cluster token, if this process holds one
             self._channels[address] = channel
         return channel
 

@@ -2,7 +2,8 @@
 
 One place decides the message limits, how a server binds (port 0 picks a free port and the real
 one comes back), that every server answers the standard `grpc.health.v1` health checks, and how
-channels are opened. State chunks stay under gRPC's 4 MiB default regardless of these limits
+channels are opened. Servers and channels made here carry the cluster's shared token once the
+process holds one (`splitserve.rpc_auth`): servers refuse calls without it, channels send it. State chunks stay under gRPC's 4 MiB default regardless of these limits
 (splitserve.state.MAX_CHUNK_BYTES), so they also pass peers that keep the default.
 """
 
@@ -14,6 +15,8 @@ from typing import NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from splitserve import rpc_auth
 
 MAX_MESSAGE_BYTES = 64 << 20  # large prompts' token ids; state never comes near it
 DEFAULT_MAX_WORKERS = 64  # streaming Gets park a thread each while they wait for state
@@ -65,7 +68,20 @@ def make_server(
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         options=server_options(max_message_bytes),
+        interceptors=server_interceptors(),
     )
+
+
+def server_interceptors() -> list[grpc.ServerInterceptor]:
+    """The token check for a threaded server, when this process holds the cluster token."""
+    token = rpc_auth.cluster_token()
+    return [rpc_auth.TokenCheck(token)] if token else []
+
+
+def aio_server_interceptors() -> list[grpc.aio.ServerInterceptor]:
+    """The token check for a grpc.aio server, when this process holds the cluster token."""
+    token = rpc_auth.cluster_token()
+    return [rpc_auth.AioTokenCheck(token)] if token else []
 
 
 def format_address(host: str, port: int) -> str:
@@ -117,8 +133,20 @@ def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) ->
 
 
 def make_channel(address: str, max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.Channel:
-    """An insecure channel to "host:port" with splitserve's options (connects lazily)."""
-    return grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+    """An insecure channel to "host:port" with splitserve's options (connects lazily); its calls
+    carry the cluster token when this process holds one."""
+    channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+    token = rpc_auth.cluster_token()
+    return grpc.intercept_channel(channel, rpc_auth.TokenSender(token)) if token else channel
+
+
+def make_aio_channel(address: str, max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
+    """`make_channel` for grpc.aio (create it on the event loop that uses it)."""
+    token = rpc_auth.cluster_token()
+    interceptors = rpc_auth.aio_token_senders(token) if token else None
+    return grpc.aio.insecure_channel(
+        address, options=channel_options(max_message_bytes), interceptors=interceptors
+    )
 
 
 def wait_ready(channel: grpc.Channel, timeout_s: float, address: str = "the server") -> None:

@@ -45,11 +45,11 @@ class StateStoreActor:
     def start(self, host: str | None = None, port: int = 0) -> str:
         """Serves on host:port (port 0 = any free one); returns the address to give clients.
 
-        Without a host it binds every interface and advertises the node's IP. Idempotent.
+        Without a host it binds the node's own IP (Ray's), never every interface. Idempotent.
         """
         if self._server is None:
-            advertise = host or ray.util.get_node_ip_address()
-            self._server = StateStoreServer(self._store, host or "0.0.0.0", port, advertise_host=advertise)
+            host = host or ray.util.get_node_ip_address()
+            self._server = StateStoreServer(self._store, host, port)
         return self._server.address
 
     def address(self) -> str | None:

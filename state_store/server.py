@@ -74,7 +74,9 @@ class StateStoreServer:
         self.stop()
 
     async def _start(self, max_message_bytes: int) -> grpc.aio.Server:
-        server = grpc.aio.server(options=rpc.server_options(max_message_bytes))
+        server = grpc.aio.server(
+            options=rpc.server_options(max_message_bytes), interceptors=rpc.aio_server_interceptors()
+        )
         store_pb2_grpc.add_StateStoreServicer_to_server(StateStoreServicer(self.store, self._executor), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         for name in ("", SERVICE_NAME):
