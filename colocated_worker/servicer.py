@@ -17,6 +17,7 @@ import grpc
 from splitserve.engine.llm_engine import RequestUpdate
 from splitserve.rpc import abort
 from splitserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from splitserve.worker.cache_report import CacheReporter
 from splitserve.worker.load import decode_stats
 from splitserve.worker.messages import first_token_response, sampling_params_or_abort
 from splitserve.worker.token_stream import stream_deltas
@@ -47,6 +48,7 @@ class ColocatedServicer(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.Decode
         self.request_timeout_s = request_timeout_s
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
+        self._cache_reporter = CacheReporter()
 
     def Reserve(
         self, request: decode_pb2.ReserveRequest, context: grpc.ServicerContext
@@ -71,11 +73,12 @@ class ColocatedServicer(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.Decode
             self._streams[rid] = stream
         self.loop.watch(rid, stream.push)
         prompt, sent = list(request.prompt_token_ids), list(request.output_token_ids)  # sent: failover
+        chain = list(request.prefix_hashes) or None  # None: the engine hashes the prompt itself
         started = time.time()
         try:
-            self.loop.call(lambda e: e.add_request(rid, prompt, params, output_token_ids=sent)).result(
-                timeout=30
-            )
+            self.loop.call(
+                lambda e: e.add_request(rid, prompt, params, output_token_ids=sent, prefix_hashes=chain)
+            ).result(timeout=30)
         except ValueError as exc:
             self._forget(rid)
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -138,3 +141,8 @@ class ColocatedServicer(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.Decode
         self, request: decode_pb2.DecodeStatsRequest, context: grpc.ServicerContext
     ) -> decode_pb2.DecodeStats:
         return self.loop.call(decode_stats).result(timeout=10)
+
+    def CacheReport(
+        self, request: prefill_pb2.CacheReportRequest, context: grpc.ServicerContext
+    ) -> prefill_pb2.PrefixCacheReport:
+        return self.loop.call(self._cache_reporter.take).result(timeout=10)

@@ -20,6 +20,7 @@ from splitserve.state.client import StateStoreClient
 from splitserve.state.errors import StateStoreError
 from splitserve.state.status import status_code
 from splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from splitserve.worker.cache_report import CacheReporter
 from splitserve.worker.messages import first_token_response, sampling_params_or_abort
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.request_timeout_s = request_timeout_s
         self._stores: dict[str, StateStoreClient] = {}  # one per decode target's store, kept open
         self._lock = threading.Lock()
+        self._cache_reporter = CacheReporter()
         self.prefixes = (
             PrefixReuse(loop, worker_id, store_address) if PrefixReuse.enabled(loop, store_address) else None
         )
@@ -154,6 +156,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     def _abort(self, request_id: str) -> None:
         self.loop.call(lambda e: e.abort_request(request_id))
+
+    def CacheReport(
+        self, request: prefill_pb2.CacheReportRequest, context: grpc.ServicerContext
+    ) -> prefill_pb2.PrefixCacheReport:
+        return self.loop.call(self._cache_reporter.take).result(timeout=10)
 
     def Abort(
         self, request: prefill_pb2.AbortPrefillRequest, context: grpc.ServicerContext

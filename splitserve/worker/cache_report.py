@@ -36,7 +36,7 @@ class CacheReporter:
             events=events,
             num_queried_tokens=stats.num_queried_tokens,
             num_hit_tokens=stats.num_hit_tokens,
-            num_imported_tokens=getattr(stats, "num_imported_tokens", 0),
+            num_imported_tokens=stats.num_imported_tokens,
             num_lost_to_missing_state_tokens=stats.num_lost_to_missing_state_tokens,
             num_snapshots=stats.num_snapshots,
             snapshot_bytes=stats.snapshot_bytes,

@@ -35,6 +35,7 @@ def first_token_response(
         first_token_id=update.new_token_ids[0],
         finish_reason=FINISH_TO_PROTO[finish_reason],
         num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=update.num_cached_tokens,
         timing=timing,
     )
     if update.new_logprobs:
