@@ -54,13 +54,15 @@ def gateway_settings_kwargs(config: ClusterConfig, model_path: str | None) -> di
         "host": config.gateway.host,
         "port": config.gateway.port,
         "api_keys": list(config.gateway.api_keys),
+        "max_request_bytes": config.gateway.max_request_bytes,
+        "max_prompt_chars": config.gateway.max_prompt_chars,
         "drain_timeout_s": config.health.drain_timeout_s,
-        "max_queued_requests": config.gateway.max_queued_requests,
-        "prefill_fallback": config.prefill.fallback,
-        "decode_failover": config.decode.failover,
         "enable_prefix_caching": config.cache.enable_prefix_caching,
         "prefix_unit": config.cache.prefix_unit,
         "router_policy": config.router.policy,
+        "max_queued_requests": config.gateway.max_queued_requests,
+        "prefill_fallback": config.prefill.fallback,
+        "decode_failover": config.decode.failover,
     }
     max_model_len = served_max_model_len(config, model_path)
     if max_model_len is not None:  # else the gateway's own default applies

@@ -18,12 +18,14 @@ from fastapi import Depends, FastAPI
 from frontend.admission import Admission, AdmissionMiddleware
 from frontend.admission_queue import AdmissionQueue, QueueMetrics
 from frontend.auth import api_key_checker
+from frontend.body_limit import BodyLimit
 from frontend.cache_monitor import CacheMonitor
 from frontend.clients import WorkerClients
 from frontend.errors import install_error_handlers
 from frontend.generate import Pipeline
 from frontend.load_monitor import LoadMonitor
 from frontend.metrics import GatewayMetrics
+from frontend.openapi import install_openapi
 from frontend.prefix_metrics import PrefixMetrics
 from frontend.response_counter import CountResponses
 from frontend.router import Router, make_router
@@ -61,7 +63,10 @@ def build_app(
     app.state.cache_monitor = cache_monitor
     app.state.admission = admission = Admission()
     app.state.admission_queue = queue
-    install_error_handlers(app)
+    install_error_handlers(app, gateway_metrics.observe_refusal)
+    install_openapi(app)
+    refusal = gateway_metrics.observe_refusal
+    app.add_middleware(BodyLimit, max_request_bytes=settings.max_request_bytes, on_refusal=refusal)
     app.add_middleware(AdmissionMiddleware, admission=admission)
     app.add_middleware(CountResponses, metrics=gateway_metrics)  # outermost: counts the draining 503s too
     app.include_router(health.router)

@@ -1,17 +1,23 @@
 """OpenAI-shaped errors and the FastAPI handlers that make every failure one of them.
 
-Every error body is `{"error": {"message", "type", "param", "code"}}`; nothing leaves the
-gateway as a bare 500 or as FastAPI's own `{"detail": ...}` shape.
+Every error body is `{"error": {"message", "type", "param", "code"}}` (`ErrorResponse`, also
+what the OpenAPI document declares); nothing leaves the gateway as a bare 500 or as FastAPI's
+own `{"detail": ...}` shape. Bodies are written as ASCII JSON, so no text a request carried
+(a lone surrogate, say) can break the rendering of its own error.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
@@ -23,10 +29,35 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
 }
+
+
+# Refusal reasons for the statuses whose errors carry no string code (the metric's label values).
+_REASONS = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error the gateway sends (OpenAI's shape)."""
+
+    error: ErrorDetail
+
+
+class ErrorJSONResponse(JSONResponse):
+    """JSON written as ASCII: text from a request (a lone surrogate, say) cannot fail to encode."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
 
 
 class GatewayError(Exception):
@@ -74,22 +105,37 @@ def unavailable(message: str) -> GatewayError:
     return GatewayError(503, message, code="service_unavailable")
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Map gateway errors, request validation, unknown routes and crashes to OpenAI JSON."""
+def refusal_reason(status_code: int, code: str | int | None) -> str:
+    """The label a refused request is counted under: its error code, else one per status."""
+    if isinstance(code, str):
+        return code
+    return _REASONS.get(status_code, f"http_{status_code}")
+
+
+def install_error_handlers(app: FastAPI, on_refusal: Callable[[str], None] = lambda reason: None) -> None:
+    """Map gateway errors, request validation, unknown routes and crashes to OpenAI JSON.
+
+    `on_refusal(reason)` is told of every error answered here but a crash's 500 (the metric of
+    refusals: work the gateway turned away, counted apart from the work it did)."""
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
+        on_refusal(refusal_reason(exc.status_code, exc.code))
         # A 429 always says when to come back (RFC 9110 Retry-After, in seconds).
         headers = {"retry-after": str(RETRY_AFTER_S)} if exc.status_code == 429 else None
-        return JSONResponse(exc.body(), status_code=exc.status_code, headers=headers)
+        return ErrorJSONResponse(exc.body(), status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(validation_error(exc).body(), status_code=400)
+        on_refusal(refusal_reason(400, None))
+        return ErrorJSONResponse(validation_error(exc).body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+        on_refusal(refusal_reason(exc.status_code, None))
+        body = error_body(exc.status_code, str(exc.detail))
+        # exc.headers carries what the status needs: `Allow` on a 405 (RFC 9110)
+        return ErrorJSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
@@ -97,7 +143,7 @@ def install_error_handlers(app: FastAPI) -> None:
         error_id = uuid.uuid4().hex[:12]
         logger.exception("unexpected error %s in the gateway", error_id)
         message = f"internal error in the gateway; its log has the cause under error id {error_id}"
-        return JSONResponse(error_body(500, message), status_code=500)
+        return ErrorJSONResponse(error_body(500, message), status_code=500)
 
 
 def validation_error(exc: RequestValidationError) -> GatewayError:

@@ -185,7 +185,10 @@ class Generation:
         reason = self.finish_reason or ("error" if error else "abort")
         metrics = self.p.metrics
         metrics.running.labels(metrics.model_name).dec()
-        metrics.observe_finished(reason, len(self.prompt_ids), self.num_generated_tokens)
+        # Only work a worker was given counts as processed: a request refused before any prefill
+        # (429, 503) is counted apart, by reason, where its error is answered (frontend.errors).
+        if self._prefill_address is not None or self.num_generated_tokens > 0:
+            metrics.observe_finished(reason, len(self.prompt_ids), self.num_generated_tokens)
         if self.finish_reason is not None:
             metrics.e2e.labels(metrics.model_name).observe(time.monotonic() - self.arrival_s)
         with anyio.CancelScope(shield=True):

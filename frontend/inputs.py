@@ -1,7 +1,9 @@
 """From a request to prompt token ids and a token budget, with every check before a worker.
 
 Text is tokenized here (the chat template rendered first); token ids are taken as they are.
-The context check names both numbers, as a user needs to fix the request. Text goes through
+The context check names both numbers, as a user needs to fix the request. A text longer than
+`max_prompt_chars` is refused before it is tokenized (a 20 MB prompt would hold the tokenizer
+for seconds only to be refused for its token count). Text goes through
 the tokenizer's GIL-free path, and long inputs run on a worker thread (`off_the_loop_if_long`),
 so one 100k-token prompt does not stall every stream the event loop serves for a fifth of a
 second.
@@ -41,6 +43,16 @@ def prompt_chars(prompts: Sequence[str | list[int]]) -> int:
 
 def messages_chars(messages: list[dict[str, Any]]) -> int:
     return sum(len(str(m.get("content") or "")) for m in messages)
+
+
+def check_prompt_chars(num_chars: int, max_prompt_chars: int, param: str) -> None:
+    """A 400 for a text over the character limit, before any tokenizing."""
+    if num_chars > max_prompt_chars:
+        raise bad_request(
+            f"{param} has {num_chars} characters; this gateway takes at most {max_prompt_chars} "
+            "(gateway.max_prompt_chars) before tokenizing; shorten it",
+            param,
+        )
 
 
 def require_tokenizer(tokenizer: Tokenizer | None, what: str) -> Tokenizer:
@@ -127,18 +139,24 @@ def token_budget(num_prompt_tokens: int, max_tokens: int | None, max_model_len: 
 
 
 async def prompt_ids(
-    body: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer | None
+    body: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer | None, max_prompt_chars: int
 ) -> list[list[int]]:
     """Every prompt's token ids (one per choice): completions' prompts as they are or tokenized,
-    chat's messages through the template; long texts are tokenized off the event loop."""
+    chat's messages through the template; long texts are tokenized off the event loop, texts over
+    `max_prompt_chars` (a chat's messages together) not at all."""
     if isinstance(body, ChatCompletionRequest):
         messages = body.template_messages()
+        num_chars = messages_chars(messages)
+        check_prompt_chars(num_chars, max_prompt_chars, "messages")
         add_generation_prompt, template_kwargs = body.add_generation_prompt, body.chat_template_kwargs
         return await off_the_loop_if_long(
-            messages_chars(messages),
+            num_chars,
             lambda: [tokenize_chat(messages, tokenizer, add_generation_prompt, template_kwargs)],
         )
     texts = body.prompts()
+    for text in texts:
+        if isinstance(text, str):
+            check_prompt_chars(len(text), max_prompt_chars, "prompt")
     return await off_the_loop_if_long(
         prompt_chars(texts), lambda: [tokenize_prompt(p, tokenizer) for p in texts]
     )

@@ -56,6 +56,11 @@ class GatewayMetrics:
         self.responses = counter(
             "splitserve_http_responses", "HTTP responses by route and status code", "route", "status_code"
         )
+        self.refusals = counter(
+            "splitserve_request_refusals",
+            "Requests answered with an error status instead of tokens, by reason",
+            "reason",
+        )
         self.prefill_fallbacks = counter(
             "splitserve_prefill_fallbacks",
             "Requests that found the prefill pool empty, by prefill.fallback (decode_local: prefilled "
@@ -100,6 +105,11 @@ class GatewayMetrics:
 
     def observe_response(self, route: str, status_code: int) -> None:
         self.responses.labels(self.model_name, route, str(status_code)).inc()
+
+    def observe_refusal(self, reason: str) -> None:
+        """One request answered with an error; `reason` comes from a fixed set in the code (error
+        codes), never from the request, so the series stay bounded."""
+        self.refusals.labels(self.model_name, reason).inc()
 
     def set_workers(self, num_prefill: int, num_decode: int) -> None:
         self.workers.labels(self.model_name, "prefill").set(num_prefill)

@@ -1,64 +1,92 @@
 """The OpenAI request and response shapes the gateway speaks, and their SamplingParams.
 
-Requests follow OpenAI's fields plus vLLM's sampling extras. Fields OpenAI defines that this
-gateway cannot honour (`echo`, `best_of > 1`, `logit_bias`, `suffix`, tools) are rejected with a
-400 rather than silently ignored; fields nobody defines are ignored with a warning, as vLLM does.
+Requests follow OpenAI's fields plus vLLM's sampling extras. Fields OpenAI or vLLM define that
+this gateway cannot honour (`echo`, `best_of > 1`, `logit_bias`, `suffix`, tools, and the table in
+`frontend.request_checks`) are rejected with a 400 rather than silently ignored; fields nobody
+defines are ignored with a warning, as vLLM does. Integers bound for an int32 protobuf field are
+bounded here, so none can overflow on the way to a worker.
 """
 
 from __future__ import annotations
 
-import logging
 import time
-from typing import Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from frontend.errors import bad_request
+from frontend.request_checks import check_raw_request, log_unknown_fields
 from splitserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
-logger = logging.getLogger(__name__)
-
-Prompt = str | list[str] | list[int] | list[list[int]]
+INT32_MAX = 2**31 - 1  # the largest value of a protobuf int32 field (top_k, token ids, max_tokens ...)
+Int32 = Annotated[int, Field(ge=-(2**31), le=INT32_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+# The schema says what `_prompt_shape` enforces: nothing empty.
+Prompt = (
+    Annotated[str, Field(min_length=1)]
+    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+    | Annotated[list[TokenId], Field(min_length=1)]
+    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+)
 # Roles a chat message may have. OpenAI's "tool" and "function" answer tool calls, unsupported here.
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 MAX_STOP_STRINGS = 16  # the gateway searches the text for each after every token
 
 
 class StreamOptions(BaseModel):
+    """What a stream adds: a last usage chunk. vLLM's per-chunk usage is refused; OpenAI's
+    obfuscation padding is never sent, which changes nothing a client reads."""
+
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    include_obfuscation: bool | None = None
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # JSON has no NaN or infinity; Python's parser reads them, and no sampler takes them
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int32 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: Int32 = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # OpenAI's bookkeeping fields: accepted and ignored (nothing a client reads depends on them)
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     # vLLM extras
     ignore_eos: bool = False
-    top_k: int | None = None
+    top_k: Int32 | None = None
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    min_tokens: int = 0
+    min_tokens: Int32 = 0
     return_tokens_as_token_ids: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(le=INT32_MAX)]] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_raw(cls, data: Any) -> Any:
+        check_raw_request(data)  # raises a GatewayError (400), which pydantic lets through
+        return data
 
     @model_validator(mode="after")
     def _warn_unknown_fields(self) -> _Request:
-        if self.model_extra:
-            logger.warning("ignoring unknown request fields: %s", ", ".join(sorted(self.model_extra)))
+        log_unknown_fields(self.model_extra or ())
         return self
 
     def _reject_unsupported(self) -> None:
@@ -66,6 +94,12 @@ class _Request(BaseModel):
             raise bad_request("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise bad_request(
+                "stream_options.continuous_usage_stats is not supported; include_usage adds one last "
+                "chunk with the usage",
+                "stream_options.continuous_usage_stats",
+            )
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
             raise bad_request(
                 f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed "
@@ -109,20 +143,25 @@ class CompletionRequest(_Request):
     """POST /v1/completions. `prompt` may be text, a list of texts, token ids or lists of them."""
 
     prompt: Prompt
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: Int32 | None = 16
+    logprobs: Int32 | None = None
     echo: bool = False
-    best_of: int | None = None
+    best_of: Int32 | None = None
     suffix: str | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, prompt: Any) -> Any:
+        if prompt == "" or prompt == [] or (isinstance(prompt, list) and any(p in ("", []) for p in prompt)):
+            raise ValueError("prompt must not be empty, nor hold an empty prompt")
         if isinstance(prompt, str) or _is_token_ids(prompt):
+            _check_id_range(prompt)
             return prompt
         if isinstance(prompt, list) and (
             all(isinstance(p, str) for p in prompt) or all(_is_token_ids(p) for p in prompt)
         ):
+            for ids in prompt:
+                _check_id_range(ids)
             return prompt
         raise ValueError(
             "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids"
@@ -157,7 +196,7 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    role: str
+    role: str = Field(json_schema_extra={"enum": list(CHAT_ROLES)})
     # validate_default: a missing content is refused like a null one
     content: str | list[dict[str, Any]] | None = Field(None, validate_default=True)
     name: str | None = None
@@ -192,9 +231,9 @@ class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions. `logprobs` is a flag here; `top_logprobs` says how many."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int32 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int32 | None = None
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -226,6 +265,16 @@ class ChatCompletionRequest(_Request):
 
 def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _check_id_range(prompt: str | list[int]) -> None:
+    """Token ids fit a protobuf int32 and are not negative (the vocabulary check comes later,
+    where the tokenizer is known); a ValueError naming the first that does not."""
+    if isinstance(prompt, str):
+        return
+    bad = next((t for t in prompt if not 0 <= t <= INT32_MAX), None)
+    if bad is not None:
+        raise ValueError(f"prompt token id {bad} is out of range; token ids are in [0, 2**31)")
 
 
 def _param_of(message: str) -> str | None:

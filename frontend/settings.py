@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+CHARS_PER_TOKEN_BOUND = 32  # characters per context token past which a prompt is refused untokenized
+
 
 class GatewaySettings(BaseModel):
     """What the gateway serves, where it listens and how long it waits.
@@ -49,3 +51,20 @@ class GatewaySettings(BaseModel):
         True, description="resume a stream whose decode worker was lost on another (decode.failover)"
     )
     max_decode_failovers: int = Field(3, ge=0, description="failovers one request may take")
+    max_request_bytes: int = Field(
+        8 * 2**20, ge=1, description="request body limit: past it a 413, before the JSON is parsed"
+    )
+    max_prompt_chars: int | None = Field(
+        None,
+        ge=1,
+        description="a text prompt's character limit, checked before tokenizing; "
+        "None: CHARS_PER_TOKEN_BOUND per token of max_model_len",
+    )
+
+    @property
+    def prompt_chars_limit(self) -> int:
+        """The character limit in force: `max_prompt_chars`, or one no prompt that fits the
+        context comes near (tokens of common tokenizers average under 8 characters)."""
+        if self.max_prompt_chars is not None:
+            return self.max_prompt_chars
+        return CHARS_PER_TOKEN_BOUND * self.max_model_len

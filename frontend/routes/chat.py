@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 
 from frontend.generate import Generation
+from frontend.openapi import generation_responses
 from frontend.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -23,7 +24,7 @@ from frontend.steps import Step
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses=generation_responses(ChatCompletionResponse))
 async def chat_completions(body: ChatCompletionRequest, raw: Request, pipeline: PipelineDep) -> Response:
     request_id, gens = await generations_for(pipeline, body, "chatcmpl")
     renderer = TokenRenderer(pipeline.tokenizer, body.return_tokens_as_token_ids, body.top_logprobs or 0)

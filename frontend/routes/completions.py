@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 
 from frontend.generate import Generation
+from frontend.openapi import generation_responses
 from frontend.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from frontend.responses import TokenRenderer, concat_steps, usage_of
 from frontend.routes.generations import generations_for
@@ -15,7 +16,7 @@ from frontend.steps import Step
 router = APIRouter()
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=generation_responses(CompletionResponse))
 async def completions(body: CompletionRequest, raw: Request, pipeline: PipelineDep) -> Response:
     request_id, gens = await generations_for(pipeline, body, "cmpl")
     renderers = [TokenRenderer(pipeline.tokenizer, body.return_tokens_as_token_ids, 0) for _ in gens]

@@ -18,7 +18,7 @@ async def generations_for(
     for anything wrong with the request. Call it first: the request's clock starts here."""
     arrival_s = time.monotonic()
     check_model(body.model, pipeline.settings.model_name)
-    prompts = await prompt_ids(body, pipeline.tokenizer)
+    prompts = await prompt_ids(body, pipeline.tokenizer, pipeline.settings.prompt_chars_limit)
     params = sampling_params_for(body, prompts, pipeline.settings.max_model_len, pipeline.tokenizer)
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
     gens = [

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from frontend.openapi import error_responses
 from frontend.protocol import ModelCard, ModelList
 from frontend.routes.state import PipelineDep
 
 router = APIRouter()
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=error_responses(401))
 async def models(pipeline: PipelineDep) -> ModelList:
     settings = pipeline.settings
     card = ModelCard(id=settings.model_name, root=settings.model_path, max_model_len=settings.max_model_len)

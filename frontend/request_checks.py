@@ -1,0 +1,137 @@
+"""Checks on a request's raw JSON before its fields are read, and the safe log of unknown fields.
+
+* Text that is not Unicode: JSON may carry a lone UTF-16 surrogate (`"\\ud800"`), which no
+  tokenizer, protobuf string or UTF-8 writer takes; it is refused with a 400 naming where it is.
+* Fields OpenAI or vLLM define whose effect this gateway cannot give (`REFUSED_FIELDS`): a 400
+  naming them, so a request is never answered as if it had been honoured.
+* Fields nobody defines are ignored, and logged in one bounded, escaped line per request (a name
+  with a newline or an ANSI escape cannot forge or colour a log line).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from frontend.errors import bad_request
+
+logger = logging.getLogger(__name__)
+
+MAX_LOGGED_FIELDS = 8  # names in the one warning line per request
+MAX_LOGGED_NAME_CHARS = 40  # characters of each name, escaped
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a field is refused, and the values that ask for nothing (allowed besides null, false
+    and empty)."""
+
+    why: str
+    allowed: tuple[object, ...] = ()
+
+
+_TOOLS = Refusal("this server has no tool calling", ("none",))
+_GUIDED = Refusal("this server has no guided decoding or structured output")
+
+REFUSED_FIELDS: dict[str, Refusal] = {
+    # OpenAI
+    "tool_choice": _TOOLS,
+    "function_call": _TOOLS,
+    "functions": _TOOLS,
+    "modalities": Refusal("this model writes text only", (["text"],)),
+    "audio": Refusal("this model writes text only"),
+    "prediction": Refusal("this server takes no predicted output"),
+    "reasoning_effort": Refusal("this model has no reasoning-effort control"),
+    "verbosity": Refusal("this model has no verbosity control"),
+    "web_search_options": Refusal("this server has no web search"),
+    "service_tier": Refusal("this server has one service tier", ("auto", "default")),
+    # vLLM's extras this server does not implement
+    "guided_json": _GUIDED,
+    "guided_regex": _GUIDED,
+    "guided_choice": _GUIDED,
+    "guided_grammar": _GUIDED,
+    "structured_outputs": _GUIDED,
+    "use_beam_search": Refusal("this server has no beam search"),
+    "length_penalty": Refusal("this server has no beam search", (1, 1.0)),
+    "prompt_logprobs": Refusal("this server returns no prompt logprobs"),
+    "allowed_token_ids": Refusal("the sampler takes no allow list"),
+    "bad_words": Refusal("the sampler takes no bad-words list"),
+    "logits_processors": Refusal("the sampler takes no logits processors"),
+    "truncate_prompt_tokens": Refusal("prompts are never truncated; shorten the prompt"),
+    "chat_template": Refusal("the checkpoint's own chat template is always used"),
+    "continue_final_message": Refusal("the last message is never continued; add_generation_prompt only"),
+    "documents": Refusal("the chat template is given no documents"),
+    "priority": Refusal("this server has no request priorities", (0,)),
+}
+
+
+def check_raw_request(raw: Any) -> None:
+    """A 400 for a lone surrogate anywhere in the body or a refused field that asks for something.
+
+    Called on the parsed JSON before pydantic reads it; anything not an object is left to pydantic."""
+    if not isinstance(raw, dict):
+        return
+    bad_path = lone_surrogate_path(raw)
+    if bad_path is not None:
+        raise bad_request(
+            f"{bad_path or 'the request'} is not valid Unicode: it holds a lone UTF-16 surrogate "
+            "(an escape between \\ud800 and \\udfff that is not half of a pair); send UTF-8 text",
+            bad_path or None,
+        )
+    for name, refusal in REFUSED_FIELDS.items():
+        value = raw.get(name)
+        if value in (None, False, "", [], {}) or value in refusal.allowed:
+            continue
+        allowed = ", ".join(repr(v) for v in refusal.allowed)
+        hint = f"leave it out{f' or send {allowed}' if allowed else ''}"
+        raise bad_request(f"{name} is not supported: {refusal.why}; {hint}", name)
+
+
+def lone_surrogate_path(value: Any, path: str = "") -> str | None:
+    """The dotted path (`messages.0.content`) of the first string, or field name, in `value` that
+    is not encodable as UTF-8; None when every one is."""
+    if isinstance(value, str):
+        return None if _is_unicode(value) else path
+    if isinstance(value, dict):
+        for key, item in value.items():
+            child = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and not _is_unicode(key):
+                return f"{path}.<field name>" if path else "<field name>"
+            found = lone_surrogate_path(item, child)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = lone_surrogate_path(item, f"{path}.{i}" if path else str(i))
+            if found is not None:
+                return found
+    return None
+
+
+def _is_unicode(text: str) -> bool:
+    if text.isascii():  # the common case, and cheap
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def log_unknown_fields(names: Iterable[str]) -> None:
+    """One warning line naming the fields (escaped, each and their number bounded); the fields
+    of `REFUSED_FIELDS`, known and here asking for nothing, are left out."""
+    names = sorted(name for name in names if name not in REFUSED_FIELDS)
+    if not names:
+        return
+    shown = [_escaped(name) for name in names[:MAX_LOGGED_FIELDS]]
+    more = f" and {len(names) - MAX_LOGGED_FIELDS} more" if len(names) > MAX_LOGGED_FIELDS else ""
+    logger.warning("ignoring unknown request fields: %s%s", ", ".join(shown), more)
+
+
+def _escaped(name: str) -> str:
+    """The name as a Python literal (control characters, escapes and non-ASCII spelled out), cut."""
+    text = ascii(name[: MAX_LOGGED_NAME_CHARS + 1])
+    return text if len(name) <= MAX_LOGGED_NAME_CHARS else text[:-1] + "...'"
