@@ -1,0 +1,96 @@
+"""Prefix caching through the product: `run_cluster` on local Ray, the official openai client.
+
+A conversation's next turn re-sends the previous prompt and more: with caching on (the
+default), the second request reports `usage.prompt_tokens_details.cached_tokens > 0` and its
+tokens, greedy and seeded, equal the offline engine's with caching off. Both modes: the
+colocated worker reports its cached tokens too."""
+
+from __future__ import annotations
+
+import random
+
+import openai
+import pytest
+import ray
+
+from deploy.launcher import run_cluster
+from splitserve import LLM, SamplingParams
+from splitserve.config import parse_config
+from splitserve.tiny_model import make_tiny_model
+from tests.e2e.helpers import MODEL, TOKEN_IDS, openai_client, token_ids
+
+PREFIX_UNIT = 32
+GREEDY = {"max_tokens": 8, "temperature": 0.0}
+SEEDED = {"max_tokens": 8, "temperature": 0.9, "top_p": 0.95, "seed": 7}
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("prefix-e2e-model"), seed=5)
+
+
+@pytest.fixture(scope="module")
+def turns() -> list[list[int]]:
+    """Two turns of one conversation: the second re-sends the first (270 tokens, ending inside a
+    prefix unit) and adds 40 more."""
+    rng = random.Random(12)
+    first = [rng.randrange(3, 2000) for _ in range(270)]
+    return [first, first + [rng.randrange(3, 2000) for _ in range(40)]]
+
+
+@pytest.fixture(scope="module")
+def offline(model_path, turns) -> dict[str, list[list[int]]]:
+    """Each turn's tokens from the offline engine with prefix caching off, greedy and seeded."""
+    llm = LLM(model=str(model_path), max_model_len=4096)
+    out = {}
+    for name, params in (("greedy", GREEDY), ("seeded", SEEDED)):
+        sp = SamplingParams(ignore_eos=True, **params)
+        out[name] = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=turns, sampling_params=sp)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _config(model_path, mode: str):
+    pools = {"num_cpus": 0.5, "kv_cache_memory_bytes": "32MiB", "max_num_seqs": 8}
+    data = {
+        "model": {"path": str(model_path), "name": MODEL},
+        "mode": mode,
+        "gateway": {"port": 0},
+        "store": {"memory_bytes": "128MiB", "disk": {"path": None}},
+        "cache": {"prefix_unit": PREFIX_UNIT},
+        "health": {"interval_s": 1, "timeout_s": 30, "start_timeout_s": 300},
+    }
+    if mode == "disaggregated":
+        data["prefill"], data["decode"] = pools, pools
+    else:
+        data["prefill"], data["decode"] = pools, {"replicas": 0}
+    return parse_config(data)
+
+
+@pytest.fixture(scope="module", params=["disaggregated", "colocated"])
+def client(request, local_ray, model_path):
+    with run_cluster(_config(model_path, request.param)) as cluster:
+        yield openai_client(cluster.gateway_url)
+
+
+def _complete(client: openai.OpenAI, prompt: list[int], params: dict) -> tuple[list[int], int]:
+    """One completion's token ids and its cached prompt tokens."""
+    out = client.completions.create(model=MODEL, prompt=prompt, logprobs=0, extra_body=TOKEN_IDS, **params)
+    details = out.usage.prompt_tokens_details
+    return token_ids(out.choices[0]), (details.cached_tokens or 0) if details is not None else 0
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_the_next_turn_hits_the_cache_and_equals_caching_off(client, turns, offline, sampling):
+    params = GREEDY if sampling == "greedy" else SEEDED
+    first, first_cached = _complete(client, turns[0], params)
+    second, second_cached = _complete(client, turns[1], params)
+    assert [first, second] == offline[sampling]
+    assert 0 < second_cached <= len(turns[0]), f"cached {second_cached} of the second turn's prompt"
+    assert first_cached <= len(turns[0])
