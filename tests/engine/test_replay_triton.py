@@ -4,19 +4,13 @@ outputs, the stored record and the folded checkpoint, over rows at different poi
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from splitserve.engine.ops.backend import importable
 from splitserve.engine.ops.replay_ssm import BACKEND_ENV, replay_backend
+from tests.triton_interpreted import interpreted
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 needs_triton = pytest.mark.skipif(not importable("triton"), reason="triton is not installed")
 # (heads, dk, dv, window, block_v): a value dim split over programs, and dims that are not powers of 2
 CASES = [(2, 8, 8, 4, 32), (3, 12, 20, 5, 8), (1, 16, 16, 1, 16)]
@@ -72,13 +66,7 @@ def interpreted_errors() -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, float]:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    code = "import json, tests.engine.test_replay_triton as t; print(json.dumps(t.interpreted_errors()))"
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return interpreted("tests.engine.test_replay_triton", "interpreted_errors")
 
 
 @needs_triton
