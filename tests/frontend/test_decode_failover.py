@@ -126,4 +126,6 @@ def test_failovers_are_bounded(tiny_model_path, script):
     with gateway_with_doomed_decode(tiny_model_path, script, max_decode_failovers=0) as (gateway, doomed):
         events = stream_with_loss(gateway, doomed, BODY)
         error = json.loads(events[-2])["error"]
-        assert error["code"] == "decode_worker_lost" and "gave up after 0 decode failovers" in error["message"]
+        assert (
+            error["code"] == "decode_worker_lost" and "gave up after 0 decode failovers" in error["message"]
+        )

@@ -1,0 +1,259 @@
+"""A decode worker SIGKILLed mid-stream: with decode.failover on, all 8 concurrent streams finish
+with exactly the tokens of an uninterrupted run (greedy, then seeded) and the controller restores
+the pool; with it off, the streams on the killed worker end with an SSE error event.
+
+The kill is keyed on tokens received (every stream has some, none has finished), never on a
+sleep; the worker to kill is the decode worker running the most of them, its pid from the
+controller's status.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+import ray
+
+from deploy.launcher import run_cluster
+from splitserve import LLM, SamplingParams
+from splitserve.config import parse_config
+from splitserve.tiny_model import make_tiny_model
+from tests.e2e.helpers import MODEL, token_id, worker_stats
+
+NUM_STREAMS = 8
+NUM_TOKENS = 48  # per stream; long enough that every stream is still running at the kill
+NUM_BEFORE_KILL = 3  # tokens every stream must have received before the kill
+GREEDY = {"temperature": 0.0}
+SEEDED = {"temperature": 0.9, "top_p": 0.95}
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("failover-model"), seed=7)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(13)
+    return [[rng.randrange(3, 2000) for _ in range(rng.randint(8, 160))] for _ in range(NUM_STREAMS)]
+
+
+def _params(kind: dict[str, float], index: int) -> dict[str, Any]:
+    seed = {"seed": 500 + index} if kind is SEEDED else {}
+    return {"max_tokens": NUM_TOKENS, **kind, **seed}
+
+
+@pytest.fixture(scope="module")
+def expected(model_path, prompts) -> dict[str, list[list[int]]]:
+    """The uninterrupted run's tokens (the offline engine, which the cluster equals unbroken)."""
+    llm = LLM(model=str(model_path), max_model_len=4096)
+    out = {}
+    for name, kind in (("greedy", GREEDY), ("seeded", SEEDED)):
+        sps = [SamplingParams(ignore_eos=True, **_params(kind, i)) for i in range(NUM_STREAMS)]
+        results = llm.generate(prompt_token_ids=prompts, sampling_params=sps)
+        out[name] = [r.outputs[0].token_ids for r in results]
+    return out
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _config(model_path, failover: bool):
+    pool = {"num_cpus": 0.5, "kv_cache_memory_bytes": "32MiB", "max_num_seqs": 16}
+    return parse_config(
+        {
+            "model": {"path": str(model_path), "name": MODEL},
+            "gateway": {"port": 0},
+            "prefill": pool,
+            "decode": {**pool, "replicas": 2, "failover": failover},
+            "store": {"memory_bytes": "128MiB", "disk": {"path": None}},
+            # Independent of the prefix cache: every request is routed and prefilled afresh.
+            "cache": {"enable_prefix_caching": False},
+            "router": {"policy": "least_load"},
+            "health": {"interval_s": 1, "timeout_s": 30, "start_timeout_s": 300, "max_restarts": 5},
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster(request, local_ray, model_path):
+    """A deployment with `decode.failover` as the test's indirect parameter says; the tests of
+    one value share it (pytest groups them), and it stops before the other value's starts."""
+    with run_cluster(_config(model_path, request.param)) as handle:
+        yield handle
+
+
+FAILOVER_ON = pytest.mark.parametrize("cluster", [True], ids=["failover"], indirect=True)
+FAILOVER_OFF = pytest.mark.parametrize("cluster", [False], ids=["no-failover"], indirect=True)
+
+
+@dataclass
+class Stream:
+    """One streamed completion as the client saw it."""
+
+    token_ids: list[int] = field(default_factory=list)
+    error: dict[str, Any] | None = None
+    done: bool = False
+    finish_reason: str | None = None
+
+
+class Streams:
+    """NUM_STREAMS concurrent streaming completions, each on its own thread, with a condition
+    that wakes whoever waits on their progress."""
+
+    def __init__(self, url: str, prompts: list[list[int]], kind: dict[str, float]) -> None:
+        self.streams = [Stream() for _ in prompts]
+        self._changed = threading.Condition()
+        self._pool = ThreadPoolExecutor(len(prompts))
+        self._futures = [
+            self._pool.submit(self._run, url, i, prompt, _params(kind, i)) for i, prompt in enumerate(prompts)
+        ]
+
+    def _run(self, url: str, index: int, prompt: list[int], params: dict[str, Any]) -> None:
+        body = {
+            "model": MODEL,
+            "prompt": prompt,
+            "stream": True,
+            "logprobs": 0,
+            "ignore_eos": True,
+            "return_tokens_as_token_ids": True,
+            **params,
+        }
+        stream = self.streams[index]
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as response:
+                if response.status_code != 200:
+                    stream.error = {"status": response.status_code, "body": response.read().decode()}
+                    return
+                for line in response.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    with self._changed:
+                        self._take(stream, line[6:])
+                        self._changed.notify_all()
+        finally:
+            with self._changed:
+                stream.done = True
+                self._changed.notify_all()
+
+    @staticmethod
+    def _take(stream: Stream, data: str) -> None:
+        if data == "[DONE]":
+            return
+        event = json.loads(data)
+        if "error" in event:
+            stream.error = event["error"]
+            return
+        choice = event["choices"][0]
+        if choice.get("logprobs"):
+            stream.token_ids += [token_id(t) for t in choice["logprobs"]["tokens"]]
+        stream.finish_reason = choice.get("finish_reason") or stream.finish_reason
+
+    def wait_until_all_have(self, num_tokens: int, timeout_s: float = 300) -> None:
+        """Until every stream has received `num_tokens` tokens; fails if one ended first."""
+        with self._changed:
+            reached = self._changed.wait_for(
+                lambda: all(len(s.token_ids) >= num_tokens or s.done for s in self.streams), timeout_s
+            )
+            assert reached, f"streams did not reach {num_tokens} tokens: {self.streams}"
+            ended = [i for i, s in enumerate(self.streams) if s.done]
+            assert not ended, f"streams ended before the kill: {[self.streams[i] for i in ended]}"
+
+    def finish(self) -> list[Stream]:
+        for future in self._futures:
+            future.result(timeout=300)
+        self._pool.shutdown()
+        return self.streams
+
+
+def _decode_rows(handle) -> list[dict[str, Any]]:
+    return handle.status()["pools"]["decode"]["workers"]
+
+
+def _kill_busiest_decode_worker(handle) -> dict[str, Any]:
+    """SIGKILL the process of the decode worker running the most requests; its status row."""
+    rows = _decode_rows(handle)
+    running = [worker_stats(handle, "decode", row["index"])["num_running"] for row in rows]
+    row = rows[running.index(max(running))]
+    assert max(running) > 0 and row["pid"], f"no decode worker is running anything: {rows}, {running}"
+    os.kill(row["pid"], signal.SIGKILL)
+    return row
+
+
+def _wait_restored(handle, killed: dict[str, Any], timeout_s: float = 300) -> None:
+    """Until the controller has restarted the killed worker (a new pid, healthy) and both serve."""
+    deadline_s = time.monotonic() + timeout_s
+    while True:
+        rows = _decode_rows(handle)
+        again = next(r for r in rows if r["index"] == killed["index"])
+        if again["healthy"] and again["pid"] not in (None, killed["pid"]) and all(r["healthy"] for r in rows):
+            assert again["restarts"] == killed["restarts"] + 1
+            return
+        assert time.monotonic() < deadline_s, f"the decode pool was not restored: {rows}"
+        time.sleep(0.2)
+
+
+def _failovers(url: str, outcome: str) -> float:
+    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    prefix = "splitserve_decode_failovers_total{"
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith(prefix) and f'outcome="{outcome}"' in line
+    )
+
+
+@FAILOVER_ON
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+def test_every_stream_survives_a_killed_decode_worker_exactly(cluster, prompts, expected, kind):
+    handle = cluster
+    url = handle.gateway_url
+    resumed_before = _failovers(url, "resumed")
+    streams = Streams(url, prompts, GREEDY if kind == "greedy" else SEEDED)
+    streams.wait_until_all_have(NUM_BEFORE_KILL)
+    killed = _kill_busiest_decode_worker(handle)
+    results = streams.finish()
+
+    errors = {i: s.error for i, s in enumerate(results) if s.error}
+    assert not errors, f"streams ended with errors: {errors}"
+    wrong = [i for i, (s, want) in enumerate(zip(results, expected[kind])) if s.token_ids != want]
+    assert not wrong, f"streams {wrong} differ from the uninterrupted run"
+    assert all(s.finish_reason == "length" for s in results)
+    assert _failovers(url, "resumed") > resumed_before  # the kill did land on running streams
+    _wait_restored(handle, killed)
+
+
+@FAILOVER_OFF
+def test_without_failover_the_killed_workers_streams_end_with_an_error_event(cluster, prompts, expected):
+    handle = cluster
+    streams = Streams(handle.gateway_url, prompts, GREEDY)
+    streams.wait_until_all_have(NUM_BEFORE_KILL)
+    killed = _kill_busiest_decode_worker(handle)
+    results = streams.finish()
+
+    failed = [i for i, s in enumerate(results) if s.error]
+    assert failed, "no stream was on the killed worker"
+    for i, stream in enumerate(results):
+        want = expected["greedy"][i]
+        if stream.error:
+            assert stream.error["code"] == "decode_worker_lost", stream.error
+            assert stream.error["type"] == "service_unavailable_error"
+            assert "decode.failover is off" in stream.error["message"]
+            assert stream.token_ids == want[: len(stream.token_ids)]  # what came before was right
+        else:
+            assert stream.token_ids == want
+    _wait_restored(handle, killed)
