@@ -335,6 +335,7 @@ class ClusterConfig(_Section):
             retention_interval=self.cache.retention_interval,
             selective_retention=self.cache.selective_retention,
             snapshot_memory_bytes=self.cache.snapshot_memory_bytes,
+            prefix_salt=self.model.served_name,  # the gateway's salt: engines name what they retain alike
             replay_window=getattr(section, "replay_window", 0),  # a decode pool's key only
         )
 
