@@ -10,7 +10,9 @@ changes, so one running cluster can go through several faults, and may hold:
   one byte of every Nth such chunk is flipped before the store takes it (in the message, or in
   the shared-memory region the writer filled), so whoever checks its checksum next must refuse it;
 * `"hold_puts": true`: every chunk waits until the file no longer says so (a stalled transfer,
-  so a test can act while a request's state is on its way).
+  so a test can act while a request's state is on its way);
+* `"key_prefix": "..."`: only keys that start with it are touched (e.g. a decode worker's
+  request keys, not the prefixes a prefill retains).
 
 Counters restart whenever the file changes. Each fault is appended to `<file>.log` as one line,
 "fail <key>", "flip <kind> <key>" or "hold <key>" (once per key), so a test knows what it hit.
@@ -19,6 +21,7 @@ Counters restart whenever the file changes. Each fault is appended to `<file>.lo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import threading
@@ -39,11 +42,12 @@ class FaultSpec:
     flip_every: int = 0
     flip_kind: str = ""
     hold_puts: bool = False
+    key_prefix: str = ""
 
     @classmethod
     def parse(cls, text: str, path: str) -> FaultSpec:
         fields = json.loads(text or "{}")
-        unknown = set(fields) - {"fail_every", "flip_every", "flip_kind", "hold_puts"}
+        unknown = set(fields) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"{path}: unknown fault keys {sorted(unknown)}; see state_store/faults.py")
         return cls(**fields)
@@ -71,6 +75,9 @@ class StoreFaults:
         it is due, and returns why the Put must fail now, or None to go on."""
         if is_seal(msg):
             return None
+        with self._lock:
+            if not msg.key.startswith(self._reload_locked().key_prefix):
+                return None
         while self._holding(msg.key):
             await asyncio.sleep(0.05)  # polls the file: a test hook, never armed in a deployment
         with self._lock:

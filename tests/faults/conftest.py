@@ -73,6 +73,8 @@ def fault_cluster(
         "decode": {"num_cpus": 0.5, **decode},
         "store": {"memory_bytes": "256MiB", "disk": {"path": None}},
         "health": {"interval_s": 1, "timeout_s": 30, "start_timeout_s": 300},
+        # no retained prefixes: a store's baseline is then empty, and every request moves its state
+        "cache": {"enable_prefix_caching": False},
         **sections,
     }
     try:
