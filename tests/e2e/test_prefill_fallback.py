@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from tests.deploy.helpers import wait_until
 from tests.e2e.helpers import MODEL, store_contents, worker_stats
 
 PROMPT = [5 + i % 300 for i in range(40)]
+DECODE_SLOTS = 4  # the decode pool's room, small so that a burst overflows it
 BODY = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 
@@ -38,7 +40,7 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
             "model": {"path": str(model), "name": MODEL},
             "gateway": {"port": 0},
             "prefill": {"num_cpus": 0.5, "kv_cache_memory_bytes": "32MiB", "fallback": request.param},
-            "decode": {"num_cpus": 0.5, "kv_cache_memory_bytes": "32MiB"},
+            "decode": {"num_cpus": 0.5, "kv_cache_memory_bytes": "32MiB", "max_num_seqs": DECODE_SLOTS},
             "store": {"memory_bytes": "64MiB", "disk": {"path": None}},
             # no restarts: a killed prefill worker stays gone, so the pool is empty
             "health": {"interval_s": 1, "timeout_s": 30, "start_timeout_s": 300, "max_restarts": 0},
@@ -80,6 +82,30 @@ def _empty_the_prefill_pool(cluster: ClusterHandle) -> None:
         what="the gateway to hear that the prefill pool is empty",
         timeout_s=120,
     )
+
+
+def test_a_burst_past_the_decode_pool_waits_its_turn_and_an_impossible_request_gets_400(
+    cluster: ClusterHandle,
+) -> None:
+    """Four times the pool's slots at once: every request completes (queued, not 429); a request
+    with more prompts than the pool holds is a 400 and leaves every slot free."""
+    url = cluster.gateway_url
+    assert url is not None
+    wait_until(
+        lambda: _metric(url, "splitserve_admission_slots_capacity") == DECODE_SLOTS,
+        what="the gateway to read the decode pool's capacity",
+    )
+    with ThreadPoolExecutor(4 * DECODE_SLOTS) as pool:
+        responses = list(pool.map(lambda _: _complete(url), range(4 * DECODE_SLOTS)))
+    assert [r.status_code for r in responses] == [200] * (4 * DECODE_SLOTS)
+    assert len({tuple(_token_ids(r)) for r in responses}) == 1  # greedy: queued or not, same tokens
+    too_many = httpx.post(
+        f"{url}/v1/completions", json={**BODY, "prompt": [PROMPT] * (DECODE_SLOTS + 1)}, timeout=120
+    )
+    assert too_many.status_code == 400 and f"holds {DECODE_SLOTS}" in too_many.json()["error"]["message"]
+    stats = worker_stats(cluster, "decode", 0)
+    assert stats["num_free_state_slots"] == stats["num_total_state_slots"] and stats["num_reserved"] == 0
+    assert _metric(url, "splitserve_admission_refusals_total", reason="never_fits") == 1
 
 
 @pytest.fixture
