@@ -37,7 +37,7 @@ _TYPES = {
 
 
 # Refusal reasons for the statuses whose errors carry no string code (the metric's label values).
-_REASONS = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+_REASONS = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
 
 
 class ErrorDetail(BaseModel):

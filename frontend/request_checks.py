@@ -63,6 +63,7 @@ REFUSED_FIELDS: dict[str, Refusal] = {
     "chat_template": Refusal("the checkpoint's own chat template is always used"),
     "continue_final_message": Refusal("the last message is never continued; add_generation_prompt only"),
     "documents": Refusal("the chat template is given no documents"),
+    "echo": Refusal("the prompt is not returned with the output"),
     "priority": Refusal("this server has no request priorities", (0,)),
 }
 
