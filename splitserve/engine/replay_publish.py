@@ -3,9 +3,9 @@
 Every time a request's slot folds a full window (every `replay_window` computed tokens), the
 engine hands its replay listener a `ReplayPublish`: the state from the previous publish's end
 (`token_start`) to `num_tokens`. MLA layers give their KV rows for those tokens; KDA layers give
-the window's records when they extend the previous publish exactly (the usual case: small), else
-the checkpoint itself (a request whose window began elsewhere: after a resume or a flush), and
-always the conv state at `num_tokens`. A request's first publish starts at its prompt's end, whose
+the window's records when they extend the previous publish exactly and are smaller than a
+checkpoint (the usual case for real head sizes), else the checkpoint itself (also for a request
+whose window began elsewhere: after a resume or a flush), and always the conv state at `num_tokens`. A request's first publish starts at its prompt's end, whose
 state the prefill already handed off. `replay_resume.py` turns a prompt state and these pieces
 back into an `ImportedPrefix`.
 """
@@ -86,13 +86,19 @@ class ReplayPublisher:
             elif folded and req.state_slot in folded and self.listener is not None:
                 self.listener(self._publish(req))
 
+    def _records_are_smaller(self) -> bool:
+        """Whether a window's records (`L x H x (2 Dk + Dv)`) cost no more than its checkpoint
+        (`H x Dk x Dv`): true for the 48B shape at L = 16 (2.7x smaller), false for tiny heads."""
+        layer = next(iter(self.ring.layers.values()))
+        return layer.k[0].numel() + layer.u[0].numel() + layer.g[0].numel() <= layer.checkpoint[0].numel()
+
     def _publish(self, req: Request) -> ReplayPublish:
         assert req.state_slot is not None
         slot, window, end = req.state_slot, self.ring.window, req.num_computed_tokens
         arrival, start = self._published_to.get(req.request_id, (req.arrival, req.num_prompt_tokens))
         if arrival != req.arrival:
             start = req.num_prompt_tokens
-        extends = end - window == start
+        extends = end - window == start and self._records_are_smaller()
         kda = []
         for lid, layer in self.ring.layers.items():
             piece = ReplayLayerPiece(lid, self.caches.kda_conv[lid][slot].clone())

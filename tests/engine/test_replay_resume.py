@@ -134,3 +134,15 @@ def _assert_same_state(got: list[LayerState], expected: list[LayerState]) -> Non
     assert got_mla.keys() == expected_mla.keys()
     for lid, rows in expected_mla.items():
         torch.testing.assert_close(got_mla[lid], rows, atol=1e-4, rtol=1e-4)
+
+
+def test_a_window_whose_records_outweigh_the_checkpoint_publishes_checkpoints(tiny_model_path, engines):
+    """Tiny heads (16 x 16): 8 records of 3 x 16 values cost more than the 16 x 16 checkpoint."""
+    decode = LLMEngine(EngineConfig(model=str(tiny_model_path), max_model_len=256, replay_window=8))
+    params = PARAMS["greedy"]
+    prompt_states, first = _prefill(engines["prefill"], params)
+    tokens, pieces = _published(decode, lambda: _decode(decode, "f", params, prompt_states, first, []))
+    assert pieces and all(p.kda[0].checkpoint is not None and p.kda[0].k is None for p in pieces)
+    num_tokens, states = resume_states(prompt_states, pieces)
+    done = num_tokens - len(PROMPT)
+    assert _decode(engines["resume"], "g", params, states, tokens[done], tokens[:done]) == tokens
