@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 
@@ -22,3 +23,12 @@ class PrefillWorkerActor(WorkerActorBase):
             self.loop, self.worker_id, store_address=self.store_address
         )
         return lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's load (see `WorkerActorBase.stats`) and, with the cluster prefix cache on,
+        what this worker took from and gave to the stores (`PrefixReuse.counters`)."""
+        stats = super().stats()
+        prefixes = getattr(self.servicer, "prefixes", None)
+        if prefixes is not None:
+            stats.update(prefixes.counters())
+        return stats

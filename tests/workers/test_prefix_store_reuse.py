@@ -96,6 +96,9 @@ def test_a_prefix_computed_on_a_hits_on_b_through_the_store(node, reference, see
         addresses["b"], addresses["decode"], f"b3-{seeded}", third, params
     ).token_ids == reference(third, params)
     assert fetcher.stats.num_hits == hits + 1 and fetcher.stats.num_not_longer == not_longer + 1
+    stats = workers["b"].stats()
+    assert stats["prefix_store_hits"] == hits + 1 and stats["prefix_store_lookups"] >= 2
+    assert workers["a"].stats()["prefix_published"] >= 1
 
 
 def test_a_lost_piece_is_not_served_and_the_prompt_is_recomputed(node, reference):
