@@ -55,14 +55,15 @@ class PrefixReuse:
         """The stored state of this prompt's longest prefix, if longer than the engine's own hit."""
         if not chain:
             return None
-        num_local = self.loop.call(lambda e: local_hit_tokens(e, chain, prompt_token_ids)).result()
-        if num_local >= len(prompt_token_ids) - 1:
-            return None  # nothing a store holds could beat it (the last token is always computed)
         addresses = [self.store_address] + (
             [other_store] if other_store not in ("", self.store_address) else []
         )
         stores = [self._client(address) for address in addresses]
-        return self.fetcher.fetch(stores, chain, prompt_token_ids, num_local)
+
+        def local() -> int:
+            return self.loop.call(lambda e: local_hit_tokens(e, chain, prompt_token_ids)).result()
+
+        return self.fetcher.fetch(stores, chain, prompt_token_ids, local)
 
     def counters(self) -> dict[str, int]:
         """Counters since start, as a worker's `stats` report them (deploy/README.md lists them)."""

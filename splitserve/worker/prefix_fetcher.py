@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from splitserve.engine.model.kimi_linear import LayerCaches
@@ -61,10 +61,11 @@ class PrefixFetcher:
         stores: Sequence[StateStoreClient],
         hash_chain: Sequence[bytes],
         prompt_token_ids: Sequence[int],
-        num_local_tokens: int = 0,
+        local_hit_tokens: Callable[[], int] = lambda: 0,
     ) -> ImportedPrefix | None:
         """The longest prefix state of the prompt any of `stores` holds, if it covers more than
-        `num_local_tokens` (what the engine's own cache would serve); it always leaves the prompt's
+        `local_hit_tokens()` (what the engine's own cache would serve: asked only when a store has
+        a match, so a cold prompt never waits for the engine thread); it always leaves the prompt's
         last token to compute. None when there is no such state or it could not be used."""
         if not hash_chain or not stores:
             return None
@@ -81,7 +82,7 @@ class PrefixFetcher:
                 best, best_store = found, store
         if best_store is None:
             return None
-        if best.num_tokens <= num_local_tokens:
+        if best.num_tokens <= local_hit_tokens():
             self._count(num_not_longer=1)
             return None
         started = time.monotonic()

@@ -95,7 +95,7 @@ def test_a_published_prefix_is_fetched_back_exactly_with_its_tail(served) -> Non
     # a prompt that differs inside the tail gets the whole-unit state; the local cache may beat it
     other = PROMPT[: 3 * UNIT] + [7] * 10
     assert fetcher.fetch([client], chain, other).num_tokens == 2 * UNIT
-    assert fetcher.fetch([client], chain, other, num_local_tokens=2 * UNIT) is None
+    assert fetcher.fetch([client], chain, other, lambda: 2 * UNIT) is None
     stats = fetcher.stats
     assert (stats.num_lookups, stats.num_hits, stats.num_not_longer, stats.num_failures) == (3, 2, 1, 0)
     assert stats.num_hit_tokens == 5 * UNIT + 5
