@@ -133,7 +133,13 @@ def install_error_handlers(app: FastAPI, on_refusal: Callable[[str], None] = lam
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         on_refusal(refusal_reason(exc.status_code, None))
-        body = error_body(exc.status_code, str(exc.detail))
+        detail = str(exc.detail)
+        if exc.status_code == 400 and detail == "There was an error parsing the body":  # FastAPI's words
+            detail = (
+                "the request body could not be parsed as JSON: invalid UTF-8, nesting too deep, or a "
+                "number too long"
+            )
+        body = error_body(exc.status_code, detail)
         # exc.headers carries what the status needs: `Allow` on a 405 (RFC 9110)
         return ErrorJSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
@@ -156,6 +162,11 @@ def validation_error(exc: RequestValidationError) -> GatewayError:
         reason = (first.get("ctx") or {}).get("error", "malformed JSON")
         offset = first.get("loc", ("body", "?"))[-1]
         return bad_request(f"the request body is not valid JSON: {reason} (at character {offset})")
+    if tuple(first.get("loc", ())) == ("body",) and first.get("type") == "model_attributes_type":
+        # not an object: a JSON array or string, or a body FastAPI did not read as JSON at all
+        return bad_request(
+            "the request body must be a JSON object, sent with 'Content-Type: application/json'"
+        )
     location = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_type_tag(part)]
     param = ".".join(location) or None
     message = str(first.get("msg", "invalid value"))

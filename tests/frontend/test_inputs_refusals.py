@@ -252,3 +252,22 @@ def test_a_crash_in_the_gateway_is_a_generic_500_with_an_id_whose_traceback_is_l
         error_id = error["message"].rsplit(" ", 1)[-1]
         logged = [r for r in caplog.records if error_id in r.getMessage()]
         assert logged and logged[0].exc_info is not None and "secret detail" in str(logged[0].exc_info[1])
+
+
+@pytest.mark.parametrize(
+    ("body", "content_type", "words"),
+    [
+        (b"[]", "application/json", "must be a JSON object"),
+        (b"null", "application/json", "must be a JSON object"),
+        (b'{"prompt": "hi"}', "text/plain", "Content-Type: application/json"),
+        (b'{"prompt": "\xff\xfe"}', "application/json", "could not be parsed as JSON"),
+        (b"[" * 100_000 + b"]" * 100_000, "application/json", "could not be parsed as JSON"),
+        (b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", "application/json", "could not be parsed"),
+    ],
+)
+def test_a_body_that_is_not_a_json_object_is_a_400_saying_so(
+    gateway: Gateway, body: bytes, content_type: str, words: str
+):
+    with gateway.http() as http:
+        response = http.post("/v1/completions", content=body, headers={"content-type": content_type})
+    assert words in _refused(response, None)
