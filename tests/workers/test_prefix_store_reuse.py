@@ -154,3 +154,27 @@ def test_the_next_turn_hits_the_prompt_and_reply_the_decode_worker_kept(node, re
     )
     # everything the first turn computed: its prompt and every reply token but the last sampled one
     assert _imported_tokens(workers["b"]) == imported + len(first) + len(reply) - 1
+
+
+def test_an_evicted_prefix_is_not_advertised_and_the_prompt_is_computed(node, reference):
+    store, workers, addresses = node
+    first, second = _turns(1100)
+    params = _params(True)
+    _published_on_a(workers, addresses, "a-evicted", first, params)
+    key = store.match_prefix(workers["b"].servicer.prefixes.chain_of(second, None), second[:-1]).key
+    assert key is not None
+    evictions = store.stats().num_prefix_evictions
+    with store._lock:  # the path a tier takes when it evicts one of the key's pieces for room
+        store._evict_locked(key, "the memory tier was full and there is no disk tier")
+    fetcher = workers["b"].servicer.prefixes.fetcher
+    before = (fetcher.stats.num_lookups, fetcher.stats.num_hits, fetcher.stats.num_failures)
+    imported = _imported_tokens(workers["b"])
+    got = generate(addresses["b"], addresses["decode"], "b-evicted", second, params).token_ids
+    assert got == reference(second, params)
+    assert (fetcher.stats.num_lookups, fetcher.stats.num_hits, fetcher.stats.num_failures) == (
+        before[0] + 1,
+        before[1],
+        before[2],
+    )  # looked up, nothing advertised: no hit and no failed fetch
+    assert _imported_tokens(workers["b"]) == imported
+    assert store.stats().num_prefix_evictions == evictions + 1
