@@ -9,14 +9,17 @@ import pytest
 
 from decode_worker.actor import DecodeWorkerActor
 from prefill_worker.actor import PrefillWorkerActor
-from splitserve import LLM, SamplingParams
+from splitserve import LLM, SamplingParams, wire
+from splitserve.prefix_hash import prefix_hash_chain
 from splitserve.state import StateKind
 from state_store.config import StoreConfig
 from state_store.server import StateStoreServer
 from state_store.store import StateStore
+from tests.workers import client
 from tests.workers.client import generate
 
 UNIT = 16
+SALT = "tiny-served-name"  # as a cluster runs: engines name prefixes with the gateway's salt
 WAIT_S = 60.0
 
 
@@ -34,7 +37,18 @@ def _turns(first: int) -> tuple[list[int], list[int]]:
 
 @pytest.fixture(scope="module")
 def caching_config(engine_config):
-    return dataclasses.replace(engine_config, enable_prefix_caching=True, prefix_unit=UNIT)
+    return dataclasses.replace(engine_config, enable_prefix_caching=True, prefix_unit=UNIT, prefix_salt=SALT)
+
+
+@pytest.fixture
+def gateway_chains(monkeypatch):
+    """Prefill requests carry the chain the gateway computes (the served name as the salt)."""
+
+    def with_chain(request_id, prompt, params, reservation=None, lease_s=0.0):  # type: ignore[no-untyped-def]
+        chain = prefix_hash_chain(prompt, UNIT, SALT.encode())
+        return wire.prefill_request(request_id, prompt, params, reservation, lease_s, prefix_hashes=chain)
+
+    monkeypatch.setattr(client, "prefill_request", with_chain)
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +155,7 @@ def test_a_corrupt_stored_snapshot_is_recomputed_and_counted(node, reference, mo
     assert store.stats().num_corruptions == corruptions + 1 and store.lookup(key) is None
 
 
-def test_the_next_turn_hits_the_prompt_and_reply_the_decode_worker_kept(node, reference):
+def test_the_next_turn_hits_the_prompt_and_reply_the_decode_worker_kept(node, reference, gateway_chains):
     store, workers, addresses = node
     first = list(range(1700, 1700 + 3 * UNIT + 2))
     params = _params(False)
