@@ -75,7 +75,7 @@ class PrefixFetcher:
         for store in stores:
             try:
                 found = store.match_prefix(hash_chain, usable_tokens)
-            except StateStoreError as exc:
+            except (StateStoreError, ValueError) as exc:
                 logger.warning("prefix lookup at %s failed: %s", store.address, exc)
                 continue
             if found.key is not None and found.num_tokens > best.num_tokens:
@@ -88,7 +88,7 @@ class PrefixFetcher:
         started = time.monotonic()
         try:
             states = self._read(best_store, best)
-        except (StateStoreError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever went wrong, the prompt is computed instead
             self._count(num_failures=1)
             logger.warning(
                 "prefix state %r (%d tokens) at %s is unusable, computing instead: %s",
