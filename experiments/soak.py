@@ -5,8 +5,9 @@
 
 Starts a local deployment of the tiny model (1 prefill + 1 decode worker) or attaches to a
 running one (`--attach`, the deployment's name). `--concurrency` clients send requests back to
-back: streaming or not, short or long prompts, n of 1 or 2, greedy or seeded, and some of them
-hang up midway (a stream after a few events, a whole response after a short wait). Every
+back: streaming or not, short or long prompts, one prompt or two (the gateway refuses n > 1),
+greedy or seeded, and some of them hang up midway (a stream after a few events, a whole
+response after a short wait). Every
 `--kill-every-s` seconds one worker, prefill or decode in turn, is SIGKILLed through the pid its
 controller reports (so the soak must run on the workers' machine); the controller restarts it.
 
@@ -14,7 +15,7 @@ The report: requests by outcome ("ok", "disconnected" on purpose, each error kin
 and error code, an error event inside a stream, a transport failure); the kills; what the
 deployment holds before the load (after a warm-up) and after it, once drained (RSS of the
 gateway, workers and stores, each pool's blocks/slots/reservations in use, the stores' keys
-and bytes); and TTFT and inter-token latency p50 in the first minute against the last.
+and bytes, of which retained prefixes are kept on purpose); and TTFT and inter-token latency p50 in the first minute against the last.
 """
 
 from __future__ import annotations
@@ -64,9 +65,9 @@ def _body(rng: random.Random, model: str) -> tuple[dict[str, Any], int | None]:
     prompt = [rng.randrange(3, 2000) for _ in range(rng.randint(300, 1200) if long else rng.randint(4, 64))]
     body: dict[str, Any] = {
         "model": model,
-        "prompt": prompt,
+        # several choices in one request: two prompts (the gateway refuses n > 1 with a 400)
+        "prompt": [prompt, prompt[: len(prompt) // 2 + 1]] if rng.random() < 0.15 else prompt,
         "max_tokens": rng.randint(2, 32),
-        "n": 2 if rng.random() < 0.15 else 1,
         "stream": rng.random() < 0.5,
         "ignore_eos": True,
     }

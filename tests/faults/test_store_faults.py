@@ -199,3 +199,21 @@ def test_a_flipped_byte_in_the_arena_is_refused_by_the_reader(fault_file: Path, 
             list(client.get("second", timeout_s=WAIT_S))
     assert Path(f"{fault_file}.log").read_text() == "flip mla_kv second\n"
     store.close()
+
+
+def test_held_puts_wait_for_the_file_and_other_keys_pass(fault_file: Path) -> None:
+    fault_file.write_text(json.dumps({"hold_puts": True, "key_prefix": "decode-0/"}))
+    store = StateStore(MemoryTier(1 << 20))
+    with StateStoreServer(store) as server, StateStoreClient(server.address, timeout_s=WAIT_S) as client:
+        client.put([make_chunk("prefix-a")], owner="prefill", seal=True)  # not a held key: stored at once
+        held = threading.Thread(
+            target=client.put, args=([make_chunk("decode-0/req")],), kwargs={"owner": "p"}
+        )
+        held.start()
+        assert _wait_until(lambda: Path(f"{fault_file}.log").exists())
+        assert Path(f"{fault_file}.log").read_text() == "hold decode-0/req\n"
+        assert client.lookup("decode-0/req") is None  # its chunk waits outside the store
+        fault_file.write_text(json.dumps({}))
+        held.join(WAIT_S)
+        assert not held.is_alive() and client.lookup("decode-0/req") is not None
+    store.close()
