@@ -65,6 +65,10 @@ class PrefixReuse:
 
         return self.fetcher.fetch(stores, chain, prompt_token_ids, local)
 
+    def refused(self, why: Exception) -> None:
+        """The engine refused a fetched state (engine thread): count it like a failed fetch."""
+        self.fetcher.count_failure(f"the engine refused it: {why}")
+
     def counters(self) -> dict[str, int]:
         """Counters since start, as a worker's `stats` report them (deploy/README.md lists them)."""
         fetched, published = self.fetcher.stats, self.publisher.stats

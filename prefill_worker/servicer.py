@@ -7,13 +7,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 
 from prefill_worker.prefix_reuse import PrefixReuse
 from prefill_worker.state_writer import NoStateWriter, StateWriter
 from splitserve.engine.engine_loop import EngineLoop
-from splitserve.engine.llm_engine import HANDOFF, RequestUpdate
+from splitserve.engine.llm_engine import HANDOFF, LLMEngine, RequestUpdate
+from splitserve.engine.prefix_cache.imported import ImportedPrefix
 from splitserve.engine.state_transfer import state_bytes
 from splitserve.rpc import abort
 from splitserve.state.client import StateStoreClient
@@ -96,18 +98,20 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if self.prefixes is not None:  # a prefix the stores hold further than the engine streams in
             chain = self.prefixes.chain_of(prompt, chain)
             imported = self.prefixes.fetch(chain, prompt, request.store_address)
+
+        def add(engine: LLMEngine, state: ImportedPrefix | None) -> None:
+            engine.add_request(
+                rid,
+                prompt,
+                params,
+                export=export,
+                output_token_ids=sent,
+                prefix_hashes=chain,
+                imported_prefix=state,
+            )
+
         try:
-            self.loop.call(
-                lambda e: e.add_request(
-                    rid,
-                    prompt,
-                    params,
-                    export=export,
-                    output_token_ids=sent,
-                    prefix_hashes=chain,
-                    imported_prefix=imported,
-                )
-            ).result()
+            self.loop.call(lambda e: self._add_with(e, add, imported)).result()
         except ValueError as exc:
             self.loop.unwatch(rid)
             writer.cancel()
@@ -153,6 +157,22 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         else:  # finished on its first token: nobody will read the state
             writer.release()
         return response
+
+    def _add_with(
+        self,
+        engine: LLMEngine,
+        add: Callable[[LLMEngine, ImportedPrefix | None], None],
+        imported: ImportedPrefix | None,
+    ) -> None:
+        """Add the request with the state a store gave (engine thread); if the engine refuses
+        that state, add it without: a stored prefix never fails a request, it is computed."""
+        try:
+            add(engine, imported)
+        except ValueError as exc:
+            if imported is None or self.prefixes is None:
+                raise
+            self.prefixes.refused(exc)
+            add(engine, None)
 
     def _abort(self, request_id: str) -> None:
         self.loop.call(lambda e: e.abort_request(request_id))

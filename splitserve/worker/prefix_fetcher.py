@@ -101,6 +101,11 @@ class PrefixFetcher:
         self._count(num_hits=1, num_hit_tokens=best.num_tokens, fetch_s=time.monotonic() - started)
         return ImportedPrefix(best.num_tokens, list(hash_chain[: best.num_units]), states)
 
+    def count_failure(self, why: str) -> None:
+        """A state this fetcher returned could not be used after all (the prompt is computed)."""
+        self._count(num_failures=1)
+        logger.warning("a fetched prefix state was not used, computing instead: %s", why)
+
     def _read(self, store: StateStoreClient, found: PrefixMatch) -> list[LayerState]:
         assert found.key is not None
         chunks = store.get(found.key, timeout_s=self.timeout_s, shared_memory=False)

@@ -10,6 +10,7 @@ import pytest
 from decode_worker.actor import DecodeWorkerActor
 from prefill_worker.actor import PrefillWorkerActor
 from splitserve import LLM, SamplingParams, wire
+from splitserve.engine.prefix_cache.imported import ImportedPrefix
 from splitserve.prefix_hash import prefix_hash_chain
 from splitserve.state import StateKind
 from state_store.config import StoreConfig
@@ -192,3 +193,16 @@ def test_an_evicted_prefix_is_not_advertised_and_the_prompt_is_computed(node, re
     )  # looked up, nothing advertised: no hit and no failed fetch
     assert _imported_tokens(workers["b"]) == imported
     assert store.stats().num_prefix_evictions == evictions + 1
+
+
+def test_a_fetched_state_the_engine_refuses_is_computed_instead(node, reference, monkeypatch):
+    _, workers, addresses = node
+    prompt = list(range(1200, 1200 + 2 * UNIT + 3))
+    params = _params(False)
+    prefixes = workers["b"].servicer.prefixes
+    wrong = ImportedPrefix(UNIT, [bytes(16)], [])  # names another prompt: add_request refuses it
+    monkeypatch.setattr(prefixes, "fetch", lambda *args: wrong)
+    failures, imported = prefixes.fetcher.stats.num_failures, _imported_tokens(workers["b"])
+    got = generate(addresses["b"], addresses["decode"], "b-refused", prompt, params).token_ids
+    assert got == reference(prompt, params)
+    assert prefixes.fetcher.stats.num_failures == failures + 1 and _imported_tokens(workers["b"]) == imported
