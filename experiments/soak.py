@@ -1,21 +1,23 @@
 """Soak: mixed load with random worker kills for N minutes; errors by kind, leaks, latency drift.
 
-    python -m experiments.soak --minutes 10 [--attach NAME] [--concurrency 8] [--kill-every-s 45]
-                               [--json soak.json]
+    python -m experiments.soak --minutes 10 [--attach NAME | --replicas 2] [--concurrency 8]
+                               [--kill-every-s 45] [--json soak.json]
 
-Starts a local deployment of the tiny model (1 prefill + 1 decode worker) or attaches to a
+Starts a local deployment of the tiny model (`--replicas` prefill and decode workers, so a kill
+leaves one of each serving while the controller restarts the other) or attaches to a
 running one (`--attach`, the deployment's name). `--concurrency` clients send requests back to
 back: streaming or not, short or long prompts, one prompt or two (the gateway refuses n > 1),
 greedy or seeded, and some of them hang up midway (a stream after a few events, a whole
-response after a short wait). Every
-`--kill-every-s` seconds one worker, prefill or decode in turn, is SIGKILLed through the pid its
-controller reports (so the soak must run on the workers' machine); the controller restarts it.
+response after a short wait). Every `--kill-every-s` seconds one worker, prefill or decode in
+turn, is SIGKILLed through the pid its controller reports (so the soak must run on the workers'
+machine); the controller restarts it.
 
 The report: requests by outcome ("ok", "disconnected" on purpose, each error kind: HTTP status
 and error code, an error event inside a stream, a transport failure); the kills; what the
 deployment holds before the load (after a warm-up) and after it, once drained (RSS of the
 gateway, workers and stores, each pool's blocks/slots/reservations in use, the stores' keys
-and bytes, of which retained prefixes are kept on purpose); and TTFT and inter-token latency p50 in the first minute against the last.
+and bytes, of which retained prefixes are kept on purpose); and TTFT and inter-token latency
+p50 in the first minute against the last, with the machine's load average at both ends.
 """
 
 from __future__ import annotations
@@ -344,7 +346,7 @@ def deployment(args: argparse.Namespace) -> Iterator[tuple[Any, str, str]]:
     from splitserve.config import parse_config
     from splitserve.tiny_model import make_tiny_model
 
-    pool = {"num_cpus": 0.5, "kv_cache_memory_bytes": "64MiB", "max_num_seqs": 32}
+    pool = {"num_cpus": 0.5, "kv_cache_memory_bytes": "64MiB", "max_num_seqs": 32, "replicas": args.replicas}
     with tempfile.TemporaryDirectory(prefix="soak-model-") as tmp:
         config = parse_config(
             {
@@ -393,6 +395,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--kill-every-s", type=float, default=45.0, help="0: no kills")
     parser.add_argument("--attach", default=None, help="the name of a running deployment to soak")
+    parser.add_argument(
+        "--replicas", type=int, default=2, help="workers per pool of a deployment started here"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
     args = parser.parse_args(argv)

@@ -20,6 +20,8 @@ def test_a_short_soak_reports_errors_leaks_and_drift(tmp_path: Path) -> None:
             "3",
             "--kill-every-s",
             "3",
+            "--replicas",
+            "1",
             "--json",
             str(tmp_path / "r.json"),
         ]
