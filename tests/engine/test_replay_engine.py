@@ -105,3 +105,17 @@ def test_an_exported_state_is_exact_when_the_last_prompt_chunk_is_one_token(tiny
     assert exported[0].keys() == exported[WINDOW].keys()
     for key, tensor in exported[0].items():
         torch.testing.assert_close(exported[WINDOW][key], tensor, atol=1e-5, rtol=1e-5)
+
+
+def test_a_next_turn_hits_the_reply_a_ring_engine_retained(tiny_model_path, prompts):
+    """Prefix caching keeps a finished request's prompt + reply: its KDA snapshot must be the
+    state, not a ring's checkpoint (SnapshotPool.save flushes the slot). 18 decode steps leave 2
+    records in a window of 4 when the request finishes (without the flush, tokens differ)."""
+    caching = dict(enable_prefix_caching=True, prefix_unit=16, block_size=16)
+    params = SamplingParams(temperature=0.0, max_tokens=19, ignore_eos=True)
+    llm, (reply,) = _tokens(tiny_model_path, [prompts[4]], params, replay_window=WINDOW, **caching)
+    turn2 = [*prompts[4], *reply, *prompts[3]]
+    outs = llm.generate(prompt_token_ids=[turn2], sampling_params=params)
+    assert llm.engine.prefix_cache_stats().num_hit_tokens >= 48  # prompt + reply, in whole units
+    _, plain = _tokens(tiny_model_path, [turn2], params)
+    assert [list(outs[0].outputs[0].token_ids)] == plain
