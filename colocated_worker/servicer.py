@@ -118,7 +118,8 @@ class ColocatedServicer(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.Decode
             done.set()
             self._forget(rid)
 
-        yield from stream_deltas(rid, stream.updates, finish, context)
+        num_generated = 1 + len(request.output_token_ids)  # the first token, plus any before a failover
+        yield from stream_deltas(rid, stream.updates, finish, context, num_generated=num_generated)
 
     def _forget(self, rid: str) -> None:
         with self._lock:

@@ -121,19 +121,22 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self, request: decode_pb2.DecodeRequest, context: grpc.ServicerContext
     ) -> Iterator[decode_pb2.TokenDelta]:
         """A Decode with no state (`prefill.fallback: decode_local`, the prefill pool is empty):
-        this engine computes the prompt itself and streams every token, the first one included."""
-        rid, prompt = request.request_id, list(request.prompt_token_ids)
+        this engine computes the prompt itself and streams every token, the first one included.
+        After a decode failover it computes prompt + `output_token_ids` and streams from there."""
+        rid, prompt, sent = request.request_id, list(request.prompt_token_ids), list(request.output_token_ids)
         params = sampling_params_or_abort(request.sampling_params, context)
         updates: queue.Queue[RequestUpdate] = queue.Queue()
         self.loop.watch(rid, updates.put)
         try:
-            self.loop.call(lambda e: e.add_request(rid, prompt, params)).result(timeout=30)
+            self.loop.call(lambda e: e.add_request(rid, prompt, params, output_token_ids=sent)).result(
+                timeout=30
+            )
         except ValueError as exc:
             self.loop.unwatch(rid)
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         finished = threading.Event()
         context.add_callback(lambda: None if finished.is_set() else self._abort_engine(rid))
-        yield from stream_deltas(rid, updates, finished.set, context, num_generated=0)
+        yield from stream_deltas(rid, updates, finished.set, context, num_generated=len(sent))
 
     def _free_room(self, reader: StateReader) -> None:
         """The state will never arrive whole: free the room now; Decode still reports why."""

@@ -9,7 +9,8 @@ runs prompt + every token the lost worker produced (`PrefillRequest.output_token
 samples the next one as output index len(those): greedy and seeded sampling, penalties,
 max_tokens and the detokenizer's state continue where the stream stopped, so the client sees
 no token repeated or missing. Tokens the lost worker made but never delivered are made again,
-the same ones.
+the same ones. With the prefill pool empty (`prefill.fallback: decode_local`) the new decode
+worker computes prompt + those tokens itself, the same way.
 
 Bounded: at most `max_decode_failovers` per request, with a short backoff when no decode
 worker could take the request. With `decode_failover` off the stream ends with a 503 (an SSE
@@ -28,7 +29,6 @@ import grpc
 from frontend.clients import DecodeStream
 from frontend.errors import GatewayError
 from frontend.metrics import GatewayMetrics
-from frontend.router import Router
 from frontend.settings import GatewaySettings
 from frontend.steps import Step
 from splitserve.v1 import decode_pb2
@@ -78,11 +78,10 @@ class DecodeFailover:
     generation it serves).
     """
 
-    def __init__(self, settings: GatewaySettings, router: Router, metrics: GatewayMetrics) -> None:
+    def __init__(self, settings: GatewaySettings, metrics: GatewayMetrics) -> None:
         self.enabled = settings.decode_failover
         self.max_attempts = settings.max_decode_failovers
         self.num_attempts = 0
-        self._router = router
         self._metrics = metrics
 
     async def recover(self, gen: Resumable, lost: WorkerLost) -> Step:
@@ -102,13 +101,6 @@ class DecodeFailover:
                 raise GatewayError(
                     503,
                     f"{why}; gave up after {self.num_attempts} decode failovers for this request: retry it",
-                    code="decode_worker_lost",
-                ) from lost
-            if not self._router.prefill_addresses:
-                self._count("failed")
-                raise GatewayError(
-                    503,
-                    f"{why}; no prefill worker to resume it on (failover re-prefills): retry the request",
                     code="decode_worker_lost",
                 ) from lost
             self.num_attempts += 1

@@ -83,7 +83,7 @@ class Generation:
         self._reserve_in_flight: asyncio.Future[decode_pb2.ReserveResponse] | None = None
         self._prefill_in_flight = False
         self._stream: DecodeStream | None = None
-        self._failover = DecodeFailover(pipeline.settings, pipeline.router, pipeline.metrics)
+        self._failover = DecodeFailover(pipeline.settings, pipeline.metrics)
         self._resumed: list[int] = []  # after a decode failover: the tokens received before it
         self._last_token_s = arrival_s
         self._transfer_s = 0.0
@@ -212,12 +212,14 @@ class Generation:
             request_id=self.request_id,
             prompt_token_ids=self.prompt_ids,
             sampling_params=sampling_params_to_proto(self.params),
+            output_token_ids=self._resumed,  # after a decode failover: it continues from these
         )
         self._decode_address = address
         self._stream = self.p.clients.decode(address, request, self._remaining_s())
         step = await self.next()
         self._last_token_s = now = time.monotonic()
-        self.p.metrics.ttft.labels(self.p.metrics.model_name).observe(now - self.arrival_s)
+        if not self._resumed:
+            self.p.metrics.ttft.labels(self.p.metrics.model_name).observe(now - self.arrival_s)
         return step
 
     async def _reserve_on(
