@@ -235,7 +235,7 @@ def connect_to_controller(name: str | None = None, address: str | None = None) -
         address, namespace = record.address, record.namespace
     attach(address, namespace, log_to_driver=False, logging_level=logging.WARNING)
     try:
-        return ray.get_actor(CONTROLLER_NAME, namespace=namespace), address
+        controller = ray.get_actor(CONTROLLER_NAME, namespace=namespace)
     except ValueError:
         others = _other_deployments(namespace)
         up = "splitserve up" + ("" if name in (None, DEFAULT_NAME) else f" --name {name}")
@@ -244,6 +244,10 @@ def connect_to_controller(name: str | None = None, address: str | None = None) -
             f"no splitserve controller in namespace {namespace!r} of the Ray cluster at {address} "
             f"(no actor {CONTROLLER_NAME!r}); {hint}"
         ) from None
+    # An attached driver may call the workers and stores directly (a soak reads store Stats).
+    with contextlib.suppress(Exception):  # a controller from before internal auth has no token
+        set_cluster_token(wait_for(controller.cluster_token.remote(), address, 5.0))
+    return controller, address
 
 
 def _other_deployments(namespace: str) -> str:
