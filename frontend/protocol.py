@@ -37,7 +37,7 @@ class StreamOptions(BaseModel):
     """What a stream adds: a last usage chunk. vLLM's per-chunk usage is refused; OpenAI's
     obfuscation padding is never sent, which changes nothing a client reads."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -45,8 +45,10 @@ class StreamOptions(BaseModel):
 
 
 class _Request(BaseModel):
-    # JSON has no NaN or infinity; Python's parser reads them, and no sampler takes them
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # JSON has no NaN or infinity; Python's parser reads them, and no sampler takes them. Strict:
+    # a value is the JSON type the schema names (no "5" or 5.0 for an integer, no 0 for a boolean),
+    # so the server takes what the OpenAPI document says and nothing else.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
     model: str | None = None
     max_tokens: Int32 | None = None
@@ -194,7 +196,7 @@ class CompletionRequest(_Request):
 class ChatMessage(BaseModel):
     """One message in; its role and its text content are checked here, so the template gets text."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: str = Field(json_schema_extra={"enum": list(CHAT_ROLES)})
     # validate_default: a missing content is refused like a null one

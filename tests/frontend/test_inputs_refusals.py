@@ -271,3 +271,30 @@ def test_a_body_that_is_not_a_json_object_is_a_400_saying_so(
     with gateway.http() as http:
         response = http.post("/v1/completions", content=body, headers={"content-type": content_type})
     assert words in _refused(response, None)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("echo", 0.0),
+        ("stream", "true"),
+        ("ignore_eos", 1),
+        ("max_tokens", "5"),
+        ("max_tokens", 5.0),
+        ("top_k", True),
+        ("temperature", "0.5"),
+    ],
+)
+def test_a_value_of_another_json_type_than_the_schema_names_is_a_400(
+    gateway: Gateway, field: str, value: Any
+):
+    before = _counts(gateway)
+    _refused(_post(gateway, "/v1/completions", {"prompt": "hi", field: value}), field)
+    _workers_untouched(gateway, before)
+
+
+def test_an_integer_where_a_number_is_named_is_accepted(gateway: Gateway):
+    response = _post(
+        gateway, "/v1/completions", {"prompt": "hi", "temperature": 0, "top_p": 1, "max_tokens": 2}
+    )
+    assert response.status_code == 200, response.text
