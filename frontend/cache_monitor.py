@@ -33,6 +33,7 @@ class CacheMonitor:
         self.metrics = metrics
         self.refresh_s = refresh_s
         self.num_reports = 0
+        self._reported: set[str] = set()  # workers with gauges, to drop when they leave
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -45,8 +46,13 @@ class CacheMonitor:
             self._task = None
 
     async def refresh(self) -> None:
-        """One report from every prefill worker, applied as each answers."""
-        await asyncio.gather(*map(self._refresh_one, self.router.prefill_addresses))
+        """One report from every prefill worker, applied as each answers; the gauges of workers
+        that left the pool go."""
+        addresses = self.router.prefill_addresses
+        for gone in self._reported - set(addresses):
+            self.metrics.forget_worker(gone)
+            self._reported.discard(gone)
+        await asyncio.gather(*map(self._refresh_one, addresses))
 
     async def _run(self) -> None:
         while True:
@@ -65,4 +71,5 @@ class CacheMonitor:
         events = [CacheEvent(e.stored, e.block_hash, e.num_tokens) for e in report.events]
         self.router.observe_cache_events(address, report.instance_id, events)
         self.metrics.observe_report(address, report)
+        self._reported.add(address)
         self.num_reports += 1

@@ -9,6 +9,8 @@ split by tier: `engine` (the worker's own cache) and `store` (imported from a st
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import Counter, Gauge
 
 from frontend.metrics import GatewayMetrics
@@ -71,6 +73,25 @@ class PrefixMetrics:
     def observe_prefill(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         self.queried_tokens.labels(self.model_name).inc(num_prompt_tokens)
         self.hit_tokens.labels(self.model_name).inc(num_cached_tokens)
+
+    def forget_worker(self, worker: str) -> None:
+        """Drop a worker's gauges (it left the pool): a scrape shows only workers there now."""
+        labels = (self.model_name, worker)
+        for gauge in self._worker_gauges():
+            with contextlib.suppress(KeyError):  # never reported
+                gauge.remove(*labels)
+        for tier in ("engine", "store"):
+            with contextlib.suppress(KeyError):
+                self.engine_hit_tokens.remove(*labels, tier)
+
+    def _worker_gauges(self) -> tuple[Gauge, ...]:
+        return (
+            self.engine_queried_tokens,
+            self.engine_lost_tokens,
+            self.engine_snapshot_bytes,
+            self.engine_snapshots,
+            self.engine_evictions,
+        )
 
     def observe_report(self, worker: str, report: prefill_pb2.PrefixCacheReport) -> None:
         labels = (self.model_name, worker)

@@ -191,3 +191,18 @@ def test_least_load_spreads_the_same_prompts(script: Script) -> None:
             c.complete(SHARED + [10 + i])
         counts = sorted(len(p.requests) for p in c.prefills)
     assert counts == [3, 3]
+
+
+def test_a_worker_that_leaves_the_pool_loses_its_gauges_and_its_index_entries(script: Script) -> None:
+    chain = prefix_hash_chain(SHARED, UNIT, MODEL.encode())
+    with cluster(None, script, num_prefill=2) as c:
+        assert isinstance(c.router, PrefixAwareRouter)
+        kept, gone = c.addresses
+        c.complete(SHARED)
+        assert wait_for(lambda: f'worker="{gone}"' in c.metrics() and f'worker="{kept}"' in c.metrics())
+        holder = next(a for a, p in zip(c.addresses, c.prefills) if p.requests)
+        assert c.router.index.match(chain) == {holder: len(SHARED)}
+        c.router.update_workers([kept], c.router.decode_addresses)
+        assert wait_for(lambda: f'worker="{gone}"' not in c.metrics())
+        assert f'worker="{kept}"' in c.metrics()
+        assert c.router.index.match(chain) == ({kept: len(SHARED)} if holder == kept else {})
