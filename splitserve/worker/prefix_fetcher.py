@@ -9,6 +9,7 @@ never the engine's.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -19,7 +20,7 @@ from splitserve.engine.model.kimi_linear import LayerCaches
 from splitserve.engine.prefix_cache.imported import ImportedPrefix
 from splitserve.engine.state_codec import decode
 from splitserve.engine.state_transfer import LayerState, cache_for
-from splitserve.state import StateKind
+from splitserve.state import Chunk, StateKind, checksum
 from splitserve.state.client import StateStoreClient
 from splitserve.state.errors import CorruptStateError, StateStoreError
 from splitserve.state.records import NO_PREFIX_MATCH, PrefixMatch
@@ -97,6 +98,9 @@ class PrefixFetcher:
                 best_store.address,
                 exc,
             )
+            if isinstance(exc, CorruptStateError):  # found here, not by the store: stop it advertising
+                with contextlib.suppress(StateStoreError):
+                    best_store.release(best.key)
             return None
         self._count(num_hits=1, num_hit_tokens=best.num_tokens, fetch_s=time.monotonic() - started)
         return ImportedPrefix(best.num_tokens, list(hash_chain[: best.num_units]), states)
@@ -108,8 +112,14 @@ class PrefixFetcher:
 
     def _read(self, store: StateStoreClient, found: PrefixMatch) -> list[LayerState]:
         assert found.key is not None
-        chunks = store.get(found.key, timeout_s=self.timeout_s, shared_memory=False)
-        states = list(decode(chunks))
+        # A chunk read in place from the store's arena is copied, then its checksum is checked on
+        # the copy: a retained prefix may be evicted (and its region reused) while it is read.
+        copies = []
+        for chunk in store.get(found.key, timeout_s=self.timeout_s):
+            data = bytes(chunk.data)
+            checksum.verify(data, chunk.meta.checksum, f"{chunk.meta.describe()} as copied")
+            copies.append(Chunk(chunk.meta, data))
+        states = list(decode(copies))
         self._check_whole(states, found)
         return states
 

@@ -15,20 +15,20 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.prefix_cache.retained import RetainedPrefix
-from splitserve.engine.state_codec import encode
-from splitserve.state import Chunk
+from splitserve.engine.state_codec import host_bytes
+from splitserve.state import StateKind
 from splitserve.state.client import StateStoreClient
 
 logger = logging.getLogger(__name__)
 
 OWNER = "prefix-cache"  # not the worker's id: a worker's restart or release frees its own keys, not these
 CLIENT_TIMEOUT_S = 10.0  # a store that does not answer a lookup or registration this fast: count a failure
-WRITE_LEASE_S = 120.0  # until Register retains the key; a write that never registers frees itself
+WRITE_LEASE_S = 120.0
+WRITE_TIMEOUT_S = 60.0  # a write the store has not acknowledged by then is abandoned (and counted)  # until Register retains the key; a write that never registers frees itself
 
 
 @dataclass
@@ -140,17 +140,38 @@ class PrefixPublisher:
             self.stats.num_already_stored += 1
             return
         key = f"prefix-{self._name}-{next(self._seq)}"
-        _, num_bytes = self.client.put(
-            self._chunks(prefix, key), owner=OWNER, lease_s=WRITE_LEASE_S, seal=True
-        )
+        num_bytes = self._write(prefix, key)
         self.client.register(prefix.hash_chain, key, tail_token_ids=tail, num_tokens=prefix.num_tokens)
         self.stats.num_published += 1
         self.stats.num_bytes += num_bytes
 
-    @staticmethod
-    def _chunks(prefix: RetainedPrefix, key: str) -> Iterator[Chunk]:
-        for state in prefix.states:
-            yield from encode(state, key)
+    def _write(self, prefix: RetainedPrefix, key: str) -> int:
+        """Stores and seals every piece of `prefix` under `key`; returns its bytes. On this node
+        the pieces go into the store's shared-memory arena (one copy, and a fetch on the node
+        reads them in place); else as bytes over gRPC."""
+        num_bytes = sum(state.num_bytes for state in prefix.states)
+        put = self.client.open_put(key, owner=OWNER, lease_s=WRITE_LEASE_S, expected_bytes=num_bytes)
+        held = []  # write_state reads these in place until finish
+        try:
+            for state in prefix.states:
+                tensor = state.tensor.detach().cpu().contiguous()  # off the device on this thread
+                held.append(tensor)
+                data, dtype, shape = host_bytes(tensor)
+                put.write_state(
+                    state.layer_id,
+                    state.kind,
+                    data,
+                    dtype=dtype,
+                    shape=shape,
+                    token_start=state.token_start,
+                    token_end=state.token_end,
+                    num_tokens=state.prompt_len if state.kind is StateKind.MLA_KV else None,
+                )
+            put.finish(WRITE_TIMEOUT_S)
+        except BaseException:
+            put.cancel()
+            raise
+        return num_bytes
 
     def _done(self) -> None:
         with self._idle:

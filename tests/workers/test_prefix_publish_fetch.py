@@ -60,15 +60,53 @@ def _by_layer(states: list[LayerState]) -> dict[tuple[int, StateKind], torch.Ten
     return {(s.layer_id, StateKind(s.kind)): s.tensor for s in states}
 
 
-@pytest.fixture
-def served() -> Iterator[tuple[StateStore, StateStoreClient]]:
-    store = StateStore.from_config(StoreConfig(memory_bytes=16 << 20, arena_root=None))
+def _serve(arena_root: str | None) -> Iterator[tuple[StateStore, StateStoreClient]]:
+    store = StateStore.from_config(StoreConfig(memory_bytes=16 << 20, arena_root=arena_root))
     server = StateStoreServer(store, "127.0.0.1", 0)
     client = StateStoreClient(server.address, timeout_s=WAIT_S)
     yield store, client
     client.close()
     server.stop(grace_s=0)
     store.close()
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[StateStore, StateStoreClient]]:
+    """A store whose state moves as bytes over gRPC (its damage can be injected in its tiers)."""
+    yield from _serve(None)
+
+
+@pytest.fixture
+def served_arena(tmp_path) -> Iterator[tuple[StateStore, StateStoreClient]]:
+    """A store sharing this node: pieces are written into and read from its arena's regions."""
+    yield from _serve(str(tmp_path / "arena"))
+
+
+@pytest.mark.parametrize("path", ["bytes", "arena"])
+def test_both_state_paths_give_back_the_published_state(path, request) -> None:
+    store, client = request.getfixturevalue("served" if path == "bytes" else "served_arena")
+    prefix = _retained(2 * UNIT + 3, seed=4)
+    _publish(client, prefix).close()
+    key = store.match_prefix(prefix.hash_chain, PROMPT).key
+    assert key is not None and bool(store._entries[key].regions) == (path == "arena")
+    imported = PrefixFetcher(_caches()).fetch([client], prefix_hash_chain(PROMPT, UNIT), PROMPT)
+    assert imported is not None and imported.num_tokens == 2 * UNIT + 3
+    got, want = _by_layer(imported.states), _by_layer(prefix.states)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_region_damaged_in_the_arena_is_refused_and_no_longer_advertised(served_arena) -> None:
+    store, client = served_arena
+    _publish(client, _retained(2 * UNIT)).close()
+    key = store.match_prefix(prefix_hash_chain(PROMPT, UNIT)).key
+    entry = store._entries[key]
+    cid = next(c for c in entry.order if c.kind is StateKind.KDA_RECURRENT)
+    region, offset = entry.locations[cid]
+    region.view[offset] ^= 0x01  # a reader on the node checks the checksum, not the store
+    fetcher = PrefixFetcher(_caches())
+    assert fetcher.fetch([client], prefix_hash_chain(PROMPT, UNIT), PROMPT) is None
+    assert fetcher.stats.num_failures == 1
+    assert store.lookup(key) is None and store.match_prefix(prefix_hash_chain(PROMPT, UNIT)).key is None
 
 
 def _publish(client: StateStoreClient, *prefixes: RetainedPrefix) -> PrefixPublisher:
@@ -172,7 +210,13 @@ class _SlowClient:
         self.release.wait(WAIT_S)
         return NO_PREFIX_MATCH
 
-    def put(self, *args: object, **kwargs: object) -> tuple[int, int]:
+    def open_put(self, *args: object, **kwargs: object) -> _SlowClient:
+        return self  # and stands in for its put stream: takes everything at once
+
+    def write_state(self, *args: object, **kwargs: object) -> None:
+        return None
+
+    def finish(self, timeout_s: float) -> tuple[int, int]:
         return (0, 0)
 
     def register(self, *args: object, **kwargs: object) -> None:
