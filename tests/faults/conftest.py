@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections.abc import Iterator
+import tempfile
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -122,3 +124,24 @@ class RawRequest:
     def cut(self) -> None:
         """The client goes away."""
         self.sock.close()
+
+
+@contextmanager
+def slow_prefill_cluster(model: Path) -> Iterator[tuple[ClusterHandle, FaultFile]]:
+    """A deployment whose prefill worker takes 8 tokens a step and one sequence at a time: a long
+    prompt prefills for hundreds of steps and a second one waits behind it, accepted but not
+    started, so a test can act in each phase. Its fault file comes with it, disarmed."""
+    prefill = {"kv_cache_memory_bytes": "64MiB", "max_num_batched_tokens": 8, "max_num_seqs": 1}
+    decode = {"kv_cache_memory_bytes": "64MiB"}
+    with tempfile.TemporaryDirectory(prefix="splitserve-faults-") as tmp:
+        path = Path(tmp) / "faults.json"
+        with fault_cluster(path, model, prefill=prefill, decode=decode) as handle:
+            yield handle, FaultFile(path)
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 180.0) -> None:
+    """Polls an observable condition; `timeout_s` guards against a hang, it is no latency bound."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"never saw {what}"
+        time.sleep(0.02)

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import random
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.launcher import ClusterHandle
 from tests.e2e.helpers import assert_idle
-from tests.faults.conftest import MODEL, fault_cluster, metric_value
+from tests.faults.conftest import MODEL, fault_cluster, metric_value, wait_for
 
 NUM_CYCLES = 3
 WAIT_S = 120.0  # a guard against a hang, not a latency bound
@@ -46,13 +45,6 @@ def _traffic(url: str, seed: int, num_requests: int = 8) -> None:
     with ThreadPoolExecutor(4) as pool:
         codes = list(pool.map(one, range(num_requests)))
     assert codes == [200] * num_requests, codes
-
-
-def _wait_for(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"never saw {what}"
-        time.sleep(0.1)
 
 
 def _num_placement_groups() -> int:
@@ -88,7 +80,7 @@ def _assert_bounded(cluster: ClusterHandle, num_prefill: int, num_decode: int) -
         counts = (gateway.get("prefill_workers"), gateway.get("decode_workers"), prefill, decode)
         return counts == (num_prefill, num_decode, num_prefill, num_decode)
 
-    _wait_for(gateway_knows_exactly_these, f"the gateway routing to {num_prefill}+{num_decode} workers")
+    wait_for(gateway_knows_exactly_these, f"the gateway routing to {num_prefill}+{num_decode} workers")
     assert len(_store_series(url)) <= len(status["stores"])
     assert_idle(cluster, timeout_s=60)  # every lease released, every block and slot free
 

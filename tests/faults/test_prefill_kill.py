@@ -9,10 +9,8 @@ from __future__ import annotations
 import os
 import random
 import signal
-import tempfile
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +19,7 @@ import pytest
 
 from deploy.launcher import ClusterHandle
 from tests.e2e.helpers import assert_idle, worker_stats
-from tests.faults.conftest import MODEL, FaultFile, fault_cluster
+from tests.faults.conftest import MODEL, FaultFile, slow_prefill_cluster, wait_for
 
 ROUTE = "/v1/completions"
 WAIT_S = 180.0  # a guard against a hang (a restart included), not a latency bound
@@ -29,15 +27,8 @@ WAIT_S = 180.0  # a guard against a hang (a restart included), not a latency bou
 
 @pytest.fixture(scope="module")
 def served(fault_model: Path) -> Iterator[tuple[ClusterHandle, FaultFile]]:
-    # an 8-token budget and one sequence at a time: a long prompt prefills for a while, and a
-    # second one waits behind it, accepted but not started
-    prefill = {"kv_cache_memory_bytes": "64MiB", "max_num_batched_tokens": 8, "max_num_seqs": 1}
-    decode = {"kv_cache_memory_bytes": "64MiB"}
-    with (
-        tempfile.TemporaryDirectory(prefix="splitserve-faults-") as tmp,
-        fault_cluster(Path(tmp) / "faults.json", fault_model, prefill=prefill, decode=decode) as handle,
-    ):
-        yield handle, FaultFile(Path(tmp) / "faults.json")
+    with slow_prefill_cluster(fault_model) as both:
+        yield both
 
 
 class Sent:
@@ -66,13 +57,6 @@ def _send(url: str, seed: int, num_tokens: int = 3000) -> Sent:
     return Sent(url, {"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": True})
 
 
-def _wait_for(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"never saw {what}"
-        time.sleep(0.02)
-
-
 def _prefill_row(cluster: ClusterHandle) -> dict[str, Any]:
     (row,) = cluster.status()["pools"]["prefill"]["workers"]
     return row  # type: ignore[no-any-return]
@@ -97,7 +81,7 @@ def _assert_recovered(cluster: ClusterHandle, restarts: int) -> None:
         row = _prefill_row(cluster)
         return row["restarts"] > restarts and row["healthy"]
 
-    _wait_for(restarted, "the prefill worker restarted")
+    wait_for(restarted, "the prefill worker restarted")
     assert_idle(cluster, timeout_s=60)
     response = _send(cluster.gateway_url or "", seed=99, num_tokens=16).wait()
     assert response.status_code == 200, response.text
@@ -107,9 +91,9 @@ def test_a_prefill_killed_during_the_handshake(served: tuple[ClusterHandle, Faul
     cluster, _ = served
     url = cluster.gateway_url or ""
     ahead = _send(url, seed=1)
-    _wait_for(lambda: worker_stats(cluster, "prefill", 0)["num_running"] == 1, "the first prompt prefilling")
+    wait_for(lambda: worker_stats(cluster, "prefill", 0)["num_running"] == 1, "the first prompt prefilling")
     accepted = _send(url, seed=2)
-    _wait_for(lambda: worker_stats(cluster, "prefill", 0)["num_waiting"] == 1, "the second prompt accepted")
+    wait_for(lambda: worker_stats(cluster, "prefill", 0)["num_waiting"] == 1, "the second prompt accepted")
     assert worker_stats(cluster, "decode", 0)["num_reserved"] == 2
     restarts = _kill_prefill(cluster)
     _assert_failed_clearly(accepted.wait())
@@ -122,7 +106,7 @@ def test_a_prefill_killed_mid_transfer(served: tuple[ClusterHandle, FaultFile]) 
     faults.arm(hold_puts=True, key_prefix="decode")  # the state stalls on its way to the store
     try:
         sent = _send(cluster.gateway_url or "", seed=3, num_tokens=200)
-        _wait_for(lambda: any(hit[0] == "hold" for hit in faults.hits()), "the state on its way")
+        wait_for(lambda: any(hit[0] == "hold" for hit in faults.hits()), "the state on its way")
         assert worker_stats(cluster, "decode", 0)["num_reserved"] == 1
         restarts = _kill_prefill(cluster)
         _assert_failed_clearly(sent.wait())

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,18 +28,10 @@ from state_store.faults import ENV_VAR, StoreFaults
 from state_store.memory_tier import MemoryTier
 from state_store.server import StateStoreServer
 from state_store.store import StateStore
+from tests.faults.conftest import wait_for
 from tests.state_store.conftest import make_chunk
 
 WAIT_S = 30.0  # a guard against a hang: every read below must end with an error well before it
-
-
-def _wait_until(condition, timeout_s: float = WAIT_S) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 @pytest.fixture
@@ -115,12 +106,12 @@ def test_a_writer_killed_mid_put_leaves_nothing_behind(tmp_path: Path) -> None:
     try:
         assert writer.stdout is not None and writer.stdout.readline().strip() == "written", writer.stderr
         # the piece is committed (not just queued) before the kill: a partial, unsealed object
-        assert _wait_until(lambda: (info := store.lookup("crashed")) is not None and len(info.chunks) == 1)
+        wait_for(lambda: (info := store.lookup("crashed")) is not None and len(info.chunks) == 1, "the piece")
         assert list((tmp_path / "arenas").glob("*/*.region"))
         os.kill(writer.pid, signal.SIGKILL)
         writer.wait(WAIT_S)
         # its lease (2 s) runs out unclaimed and the reaper frees the key, its bytes and its region
-        assert _wait_until(lambda: store.stats().num_keys == 0), store.lookup("crashed")
+        wait_for(lambda: store.stats().num_keys == 0, "the crashed writer's key freed by its lease")
         stats = store.stats()
         assert stats.num_expiries == 1 and stats.num_bytes == 0
         assert not list((tmp_path / "arenas").glob("*/*.region"))
@@ -210,7 +201,7 @@ def test_held_puts_wait_for_the_file_and_other_keys_pass(fault_file: Path) -> No
             target=client.put, args=([make_chunk("decode-0/req")],), kwargs={"owner": "p"}
         )
         held.start()
-        assert _wait_until(lambda: Path(f"{fault_file}.log").exists())
+        wait_for(lambda: Path(f"{fault_file}.log").exists(), "the put held")
         assert Path(f"{fault_file}.log").read_text() == "hold decode-0/req\n"
         assert client.lookup("decode-0/req") is None  # its chunk waits outside the store
         fault_file.write_text(json.dumps({}))
