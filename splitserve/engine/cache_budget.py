@@ -30,7 +30,9 @@ def default_kv_cache_bytes(
     model: KimiLinearModelConfig, config: EngineConfig, device: torch.device
 ) -> tuple[int, str]:
     """The budget for `config` on `device` (call it after the weights are loaded), and why."""
-    unit = CachePlan.specs(model, block_size=config.block_size, dtype=config.dtype)
+    unit = CachePlan.specs(
+        model, block_size=config.block_size, dtype=config.dtype, replay_window=config.replay_window
+    )
     num_tokens = context_len(model, config)
     need = unit.bytes_for(config.max_num_seqs, num_tokens)
     if device.type == "cuda":

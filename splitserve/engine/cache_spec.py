@@ -76,6 +76,12 @@ class CachePlan:
     num_blocks: int
     num_slots: int
     num_snapshots: int = 0
+    replay_ring_bytes: int = 0  # per slot: its ReplaySSM rings in every KDA layer (0 without replay_window)
+
+    @property
+    def slot_room_bytes(self) -> int:
+        """What each slot takes from the KV budget: its state and its ReplaySSM rings."""
+        return self.slot_bytes + self.replay_ring_bytes
 
     @property
     def block_bytes(self) -> int:
@@ -91,7 +97,7 @@ class CachePlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.num_blocks * self.block_bytes + self.num_slots * self.slot_bytes + self.snapshot_bytes
+        return self.num_blocks * self.block_bytes + self.num_slots * self.slot_room_bytes + self.snapshot_bytes
 
     def snapshots_for(self, snapshot_memory_bytes: int) -> int:
         """How many snapshots `snapshot_memory_bytes` holds."""
@@ -105,11 +111,14 @@ class CachePlan:
     def bytes_for(self, num_slots: int, num_tokens_per_slot: int) -> int:
         """What `num_slots` slots and room for `num_tokens_per_slot` tokens in each of them cost."""
         blocks_per_slot = -(-num_tokens_per_slot // self.mla.block_size)
-        return num_slots * (self.slot_bytes + blocks_per_slot * self.block_bytes)
+        return num_slots * (self.slot_room_bytes + blocks_per_slot * self.block_bytes)
 
     @classmethod
-    def specs(cls, config: KimiLinearModelConfig, *, block_size: int, dtype: str) -> CachePlan:
-        """The per-block and per-slot costs alone (a plan of no blocks and no slots)."""
+    def specs(
+        cls, config: KimiLinearModelConfig, *, block_size: int, dtype: str, replay_window: int = 0
+    ) -> CachePlan:
+        """The per-block and per-slot costs alone (a plan of no blocks and no slots); a slot's
+        ReplaySSM rings hold `replay_window` fp32 records (k, u, G) per KDA layer and head."""
         mla = MLAAttentionSpec(block_size, config.kv_lora_rank, config.qk_rope_head_dim, dtype)
         kda = KDAStateSpec(
             conv_dim=3 * config.kda_qkv_dim,
@@ -120,7 +129,8 @@ class CachePlan:
             conv_dtype=dtype,
         )
         n_mla, n_kda = len(config.mla_layer_ids), len(config.kda_layer_ids)
-        return cls(mla, kda, n_mla, n_kda, num_blocks=0, num_slots=0)
+        ring = replay_window * n_kda * kda.num_heads * (2 * kda.head_k_dim + kda.head_v_dim) * FP32_BYTES
+        return cls(mla, kda, n_mla, n_kda, num_blocks=0, num_slots=0, replay_ring_bytes=ring)
 
     @classmethod
     def from_budget(
@@ -132,20 +142,30 @@ class CachePlan:
         num_slots: int,
         dtype: str,
         min_blocks: int,
+        replay_window: int = 0,
     ) -> CachePlan:
         """Give every slot its room first, then spend the rest on blocks; fail if too little is left."""
-        unit = cls.specs(config, block_size=block_size, dtype=dtype)
-        left = kv_cache_memory_bytes - num_slots * unit.slot_bytes
+        unit = cls.specs(config, block_size=block_size, dtype=dtype, replay_window=replay_window)
+        slot_bytes = unit.slot_room_bytes
+        left = kv_cache_memory_bytes - num_slots * slot_bytes
         num_blocks = left // unit.block_bytes if unit.block_bytes else max(min_blocks, 1)
         if num_blocks < min_blocks:
-            need = num_slots * unit.slot_bytes + min_blocks * unit.block_bytes
+            need = num_slots * slot_bytes + min_blocks * unit.block_bytes
             raise ValueError(
                 f"kv_cache_memory_bytes={kv_cache_memory_bytes:,} is too small: {num_slots} state slots "
-                f"({unit.slot_bytes:,} B each) and {min_blocks:,} KV blocks for one request of "
+                f"({slot_bytes:,} B each) and {min_blocks:,} KV blocks for one request of "
                 f"{min_blocks * block_size:,} tokens ({unit.block_bytes:,} B each) need {need:,} B; "
                 f"raise the budget or lower max_num_seqs / max_model_len"
             )
-        return cls(unit.mla, unit.kda, unit.num_mla_layers, unit.num_kda_layers, int(num_blocks), num_slots)
+        return cls(
+            unit.mla,
+            unit.kda,
+            unit.num_mla_layers,
+            unit.num_kda_layers,
+            int(num_blocks),
+            num_slots,
+            replay_ring_bytes=unit.replay_ring_bytes,
+        )
 
 
 def context_len(model: KimiLinearModelConfig, config: EngineConfig) -> int:
@@ -177,6 +197,7 @@ def plan_cache(
         num_slots=config.max_num_seqs,
         dtype=config.dtype,
         min_blocks=-(-min_tokens // config.block_size),
+        replay_window=config.replay_window,
     )
     if config.enable_prefix_caching:
         plan = dataclasses.replace(plan, num_snapshots=plan.snapshots_for(config.snapshot_memory_bytes))
