@@ -20,8 +20,6 @@ import torch
 
 from splitserve.engine.ops.replay_ssm import rebuild, replay_backend, replay_step
 
-FP32_BYTES = 4
-
 
 @dataclass
 class ReplayLayerRing:
@@ -115,11 +113,6 @@ class ReplayRing:
             )
             layers[lid] = ReplayLayerRing(pool, k, u, g, [0] * num_slots)
         return cls(layers, window)
-
-    @staticmethod
-    def bytes_per_slot(num_kda_layers: int, heads: int, head_k_dim: int, head_v_dim: int, window: int) -> int:
-        """What the rings of one slot cost across all KDA layers."""
-        return num_kda_layers * window * heads * (2 * head_k_dim + head_v_dim) * FP32_BYTES
 
     def reset(self, slot: int) -> None:
         """`slot` starts afresh: no records (its checkpoint is whatever the caller writes)."""

@@ -58,9 +58,19 @@ def test_the_tiny_plan_fits_and_is_what_the_engine_allocates(tiny_path, tmp_path
         assert (engine.plan.num_blocks, engine.plan.num_slots) == (plan.cache.num_blocks, plan.num_slots)
         assert engine.max_model_len == plan.max_model_len
         caches = engine.caches
+        rings = (
+            []
+            if caches.replay is None
+            else [t for r in caches.replay.layers.values() for t in (r.k, r.u, r.g)]
+        )
         cache_tensors = {
             t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for t in (*caches.mla_kv.values(), *caches.kda_conv.values(), *caches.kda_recurrent.values())
+            for t in (
+                *caches.mla_kv.values(),
+                *caches.kda_conv.values(),
+                *caches.kda_recurrent.values(),
+                *rings,
+            )
         }
         assert sum(cache_tensors.values()) == plan.cache.total_bytes
         owned = {id(t): t for t in (*engine.model.parameters(), *engine.model.buffers())}

@@ -48,7 +48,10 @@ def test_greedy_equals_the_plain_path_and_transformers(tiny_model_path, prompts)
     llm = LLM(model=str(tiny_model_path), dtype="float32", max_model_len=512, replay_window=WINDOW)
     traces = engine_traces(llm.generate(prompt_token_ids=prompts, sampling_params=_greedy()))
     check_logprobs_close(hf_greedy(tiny_model_path, prompts, NUM_NEW_TOKENS), traces)
-    assert llm.engine.caches.replay is not None
+    ring = llm.engine.caches.replay
+    assert ring is not None
+    ring_bytes = sum(t[0].numel() * t.element_size() for r in ring.layers.values() for t in (r.k, r.u, r.g))
+    assert llm.engine.plan.replay_ring_bytes == ring_bytes  # the budget pays for what is allocated
     _, plain = _tokens(tiny_model_path, prompts, _greedy())
     assert [t.token_ids for t in traces] == plain
 
