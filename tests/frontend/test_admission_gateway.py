@@ -69,9 +69,10 @@ class SlotDecode(decode_pb2_grpc.DecodeServicer):
                 delta = decode_pb2.TokenDelta(request_id=rid, token_ids=[10 + position])
                 if position == NUM_TOKENS - 1:
                     delta.finish_reason = common_pb2.FINISH_REASON_LENGTH
+                    self._free(rid)  # as the engine does: the slot is free before the last delta leaves
                 yield delta
         finally:
-            self._free(rid)
+            self._free(rid)  # a stream cut short
 
     def Abort(self, request, context):  # noqa: N802
         return decode_pb2.AbortDecodeResponse(found=self._free(request.request_id))
