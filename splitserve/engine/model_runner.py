@@ -154,5 +154,5 @@ class ModelRunner:
             state_slots=torch.tensor([s.request.state_slot for s in rows], dtype=torch.long, device=dev),
             kv_index=kv_index.to(dev),
             query_pos=query_pos.to(dev),
-            slot_ids=[s.request.state_slot for s in rows],
+            slot_ids=[s.request.state_slot or 0 for s in rows],  # never None: state_slots holds them too
         )
