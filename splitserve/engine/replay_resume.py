@@ -56,8 +56,8 @@ def resume_states(
             else:
                 assert layer.k is not None and layer.u is not None and layer.g_cum is not None
                 state = recurrent[layer.layer_id].to(layer.k.device).unsqueeze(0)
-                records = (t.unsqueeze(0) for t in (layer.k, layer.u, layer.g_cum))
-                recurrent[layer.layer_id] = rebuild(state, *records, layer.k.shape[0])[0]
+                k, u, g_cum = (t.unsqueeze(0) for t in (layer.k, layer.u, layer.g_cum))
+                recurrent[layer.layer_id] = rebuild(state, k, u, g_cum, layer.k.shape[0])[0]
         num_tokens = piece.num_tokens
     states = [_ending(s, num_tokens) for s in mla]
     for lid in conv:
