@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from splitserve.engine.state_codec import encode, host_bytes
+from splitserve.engine.state_codec import encode, write_host_state
 from splitserve.engine.state_transfer import LayerState
 from splitserve.state import StateKind
 from splitserve.state.client import StateStoreClient
@@ -59,19 +59,7 @@ class StateWriter:
         if state.tensor.device.type != "cpu":
             self._put.write(encode(state, self.key))  # a generator: runs on the sending thread
             return
-        tensor = state.tensor.detach().contiguous()  # a fresh copy already: no copy here
-        self._held.append(tensor)
-        data, dtype, shape = host_bytes(tensor)
-        self._put.write_state(
-            state.layer_id,
-            state.kind,
-            data,
-            dtype=dtype,
-            shape=shape,
-            token_start=state.token_start,
-            token_end=state.token_end,
-            num_tokens=state.prompt_len if state.kind is StateKind.MLA_KV else None,
-        )
+        self._held.append(write_host_state(self._put, state))
 
     def finish(self, timeout_s: float) -> None:
         """Seals the key and waits for the store; raises the store's error (`StateStoreError`)."""

@@ -15,12 +15,14 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
 from splitserve.engine.state_transfer import LayerState
 from splitserve.state import DEFAULT_CHUNK_BYTES, Chunk, ChunkMeta, CorruptStateError, StateKind, make_chunks
+from splitserve.state.streams import PutStream
 
 
 def encode(state: LayerState, key: str, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[Chunk]:
@@ -31,17 +33,8 @@ def encode(state: LayerState, key: str, max_chunk_bytes: int = DEFAULT_CHUNK_BYT
     place; each chunk's bytes are its one copy.
     """
     data, dtype, shape = host_bytes(state.tensor.detach().cpu())
-    chunks = make_chunks(
-        key,
-        state.layer_id,
-        state.kind,
-        data,
-        dtype=dtype,
-        shape=shape,
-        token_start=state.token_start,
-        token_end=state.token_end,
-        max_chunk_bytes=max_chunk_bytes,
-    )
+    layout = _layout(state, dtype, shape)
+    chunks = make_chunks(key, state.layer_id, state.kind, data, **layout, max_chunk_bytes=max_chunk_bytes)
     if state.kind is not StateKind.MLA_KV:
         yield from chunks
         return
@@ -50,6 +43,21 @@ def encode(state: LayerState, key: str, max_chunk_bytes: int = DEFAULT_CHUNK_BYT
             chunk.meta, chunk_index=chunk.meta.token_start, num_chunks=state.prompt_len
         )
         yield Chunk(meta, chunk.data)
+
+
+def write_host_state(put: PutStream, state: LayerState) -> torch.Tensor:
+    """Queue a CPU `state` on `put` (`PutStream.write_state`: into the store's arena on its node,
+    else as bytes); returns the contiguous tensor the put reads in place, to keep until `finish`."""
+    tensor = state.tensor.detach().contiguous()  # no copy for the fresh copies states already are
+    data, dtype, shape = host_bytes(tensor)
+    num_tokens = state.prompt_len if state.kind is StateKind.MLA_KV else None  # MLA: numbered by token
+    put.write_state(state.layer_id, state.kind, data, **_layout(state, dtype, shape), num_tokens=num_tokens)
+    return tensor
+
+
+def _layout(state: LayerState, dtype: str, shape: tuple[int, ...]) -> dict[str, Any]:
+    """What a chunk and a put piece both say of a state's bytes: dtype, shape, token range."""
+    return {"dtype": dtype, "shape": shape, "token_start": state.token_start, "token_end": state.token_end}
 
 
 def host_bytes(tensor: torch.Tensor) -> tuple[memoryview, str, tuple[int, ...]]:

@@ -10,6 +10,7 @@ it. The store then keeps it until it must evict it (`StateStore.register`).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
@@ -19,8 +20,7 @@ from dataclasses import dataclass
 
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.prefix_cache.retained import RetainedPrefix
-from splitserve.engine.state_codec import host_bytes
-from splitserve.state import StateKind
+from splitserve.engine.state_codec import write_host_state
 from splitserve.state.client import StateStoreClient
 
 logger = logging.getLogger(__name__)
@@ -154,19 +154,8 @@ class PrefixPublisher:
         held = []  # write_state reads these in place until finish
         try:
             for state in prefix.states:
-                tensor = state.tensor.detach().cpu().contiguous()  # off the device on this thread
-                held.append(tensor)
-                data, dtype, shape = host_bytes(tensor)
-                put.write_state(
-                    state.layer_id,
-                    state.kind,
-                    data,
-                    dtype=dtype,
-                    shape=shape,
-                    token_start=state.token_start,
-                    token_end=state.token_end,
-                    num_tokens=state.prompt_len if state.kind is StateKind.MLA_KV else None,
-                )
+                on_host = dataclasses.replace(state, tensor=state.tensor.cpu())  # off the device, here
+                held.append(write_host_state(put, on_host))
             put.finish(WRITE_TIMEOUT_S)
         except BaseException:
             put.cancel()
