@@ -39,7 +39,7 @@ class PrefixReuse:
         publisher = PrefixPublisher.attach(loop, worker_id, store_address)
         assert publisher is not None  # `enabled` said caching is on and there is a store
         self.publisher = publisher
-        self.fetcher = PrefixFetcher(loop.engine.caches)
+        self.fetcher = PrefixFetcher(loop.engine.caches, min_gain_tokens=self.unit)
 
     @staticmethod
     def enabled(loop: EngineLoop, store_address: str) -> bool:

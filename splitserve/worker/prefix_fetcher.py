@@ -35,7 +35,7 @@ class FetcherStats:
     num_lookups: int = 0  # requests the stores were asked about
     num_hits: int = 0  # states imported
     num_hit_tokens: int = 0  # prompt tokens they covered
-    num_not_longer: int = 0  # a store held the prefix, but no longer than the local cache
+    num_not_longer: int = 0  # a store held the prefix, but not longer than the local hit by min_gain_tokens
     num_failures: int = 0  # a stored state could not be read or was not whole: computed instead
     fetch_s: float = 0.0  # seconds spent streaming and decoding the hits
 
@@ -49,11 +49,14 @@ class PrefixFetcher:
     failure and returns None, so the request is computed instead, never failed. Thread-safe.
     """
 
-    def __init__(self, caches: LayerCaches, timeout_s: float = 30.0) -> None:
+    def __init__(self, caches: LayerCaches, timeout_s: float = 30.0, min_gain_tokens: int = 1) -> None:
         self._mla_layers = sorted(caches.mla_kv)
         self._kda_layers = sorted(caches.kda_conv)
         self._caches = caches
         self.timeout_s = timeout_s
+        # A stored state is streamed whole: beyond a local hit it must save at least this many
+        # tokens of compute (a prefix unit, from the worker) to be worth reading.
+        self.min_gain_tokens = min_gain_tokens
         self.stats = FetcherStats()
         self._lock = threading.Lock()
 
@@ -64,10 +67,11 @@ class PrefixFetcher:
         prompt_token_ids: Sequence[int],
         local_hit_tokens: Callable[[], int] = lambda: 0,
     ) -> ImportedPrefix | None:
-        """The longest prefix state of the prompt any of `stores` holds, if it covers more than
-        `local_hit_tokens()` (what the engine's own cache would serve: asked only when a store has
-        a match, so a cold prompt never waits for the engine thread); it always leaves the prompt's
-        last token to compute. None when there is no such state or it could not be used."""
+        """The longest prefix state of the prompt any of `stores` holds, if it covers at least
+        `min_gain_tokens` more than `local_hit_tokens()` (what the engine's own cache would serve;
+        asked only when a store has a match, so a cold prompt never waits for the engine thread);
+        it always leaves the prompt's last token to compute. None when there is no such state or
+        it could not be used."""
         if not hash_chain or not stores:
             return None
         usable_tokens = list(prompt_token_ids[:-1])  # the sample needs the last token's logits
@@ -83,7 +87,8 @@ class PrefixFetcher:
                 best, best_store = found, store
         if best_store is None:
             return None
-        if best.num_tokens <= local_hit_tokens():
+        num_local = local_hit_tokens()
+        if best.num_tokens - num_local < (self.min_gain_tokens if num_local else 1):
             self._count(num_not_longer=1)
             return None
         started = time.monotonic()

@@ -140,6 +140,17 @@ def test_a_published_prefix_is_fetched_back_exactly_with_its_tail(served) -> Non
     assert store.stats().num_prefix_keys == 2
 
 
+def test_a_stored_state_is_read_only_when_it_saves_enough_over_the_local_hit(served) -> None:
+    _, client = served
+    _publish(client, _retained(3 * UNIT)).close()
+    fetcher = PrefixFetcher(_caches(), min_gain_tokens=UNIT)
+    chain = prefix_hash_chain(PROMPT, UNIT)
+    assert fetcher.fetch([client], chain, PROMPT, lambda: 3 * UNIT - 5) is None  # 5 more: not worth it
+    assert fetcher.fetch([client], chain, PROMPT, lambda: 2 * UNIT).num_tokens == 3 * UNIT
+    assert fetcher.fetch([client], chain, PROMPT).num_tokens == 3 * UNIT  # nothing local: any hit
+    assert (fetcher.stats.num_not_longer, fetcher.stats.num_hits) == (1, 2)
+
+
 def test_a_prefix_the_store_already_holds_is_not_written_again(served) -> None:
     store, client = served
     publisher = _publish(client, _retained(2 * UNIT), _retained(2 * UNIT, seed=5))
