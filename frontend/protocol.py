@@ -1,4 +1,5 @@
-"""The OpenAI request and response shapes the gateway speaks, and their SamplingParams.
+"""The OpenAI request shapes the gateway takes, and their SamplingParams (the response shapes are
+in `frontend.openai_responses`, re-exported here).
 
 Requests follow OpenAI's fields plus vLLM's sampling extras. Fields OpenAI or vLLM define that
 this gateway cannot honour (`echo`, `best_of > 1`, `logit_bias`, `suffix`, tools, and the table in
@@ -9,18 +10,48 @@ bounded here, so none can overflow on the way to a worker.
 
 from __future__ import annotations
 
-import time
-from typing import Annotated, Any, Generic, Literal, TypeVar
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from frontend.errors import bad_request
+
+# the response shapes live in their own module; importers of them from here keep working
+from frontend.openai_responses import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessageOut,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    TopLogprob,
+    UsageInfo,
+)
 from frontend.request_checks import check_raw_request, log_unknown_fields
 from splitserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 INT32_MAX = 2**31 - 1  # the largest value of a protobuf int32 field (top_k, token ids, max_tokens ...)
-Int32 = Annotated[int, Field(ge=-(2**31), le=INT32_MAX)]
-TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema counts 5.0 as an integer, and the document says `integer`: take it as 5.
+    (Strings and booleans stay refused: the models are strict.)"""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Integer = Annotated[int, BeforeValidator(_integral)]
+Int32 = Annotated[Integer, Field(ge=-(2**31), le=INT32_MAX)]
+TokenId = Annotated[Integer, Field(ge=0, le=INT32_MAX)]
 # The schema says what `_prompt_shape` enforces: nothing empty.
 Prompt = (
     Annotated[str, Field(min_length=1)]
@@ -58,7 +89,7 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
+    seed: Annotated[Integer, Field(ge=0, le=2**63 - 1)] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -78,7 +109,7 @@ class _Request(BaseModel):
     return_tokens_as_token_ids: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    stop_token_ids: list[Annotated[int, Field(le=INT32_MAX)]] | None = None
+    stop_token_ids: list[Annotated[Integer, Field(le=INT32_MAX)]] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -156,6 +187,8 @@ class CompletionRequest(_Request):
     def _prompt_shape(cls, prompt: Any) -> Any:
         if prompt == "" or prompt == [] or (isinstance(prompt, list) and any(p in ("", []) for p in prompt)):
             raise ValueError("prompt must not be empty, nor hold an empty prompt")
+        if isinstance(prompt, list):
+            prompt = [[_integral(t) for t in p] if isinstance(p, list) else _integral(p) for p in prompt]
         if isinstance(prompt, str) or _is_token_ids(prompt):
             _check_id_range(prompt)
             return prompt
@@ -285,114 +318,25 @@ def _param_of(message: str) -> str | None:
     return first if first.isidentifier() else None
 
 
-# Responses -----------------------------------------------------------------------------------
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0  # prompt tokens served from a prefix cache (not recomputed)
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-class CompletionLogprobs(BaseModel):
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-LogprobsT = TypeVar("LogprobsT", bound=BaseModel)
-ChoiceT = TypeVar("ChoiceT", bound="_Choice[Any]")
-
-
-def _now_s() -> int:
-    return int(time.time())
-
-
-class _Choice(BaseModel, Generic[LogprobsT]):
-    """What every choice carries: its index, its logprobs if asked, and why it finished (last step)."""
-
-    index: int
-    logprobs: LogprobsT | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class _Envelope(BaseModel, Generic[ChoiceT]):
-    """What every response and chunk carries around its choices."""
-
-    id: str
-    object: str
-    created: int = Field(default_factory=_now_s)
-    model: str
-    choices: list[ChoiceT]
-    usage: UsageInfo | None = None
-
-
-class CompletionChoice(_Choice[CompletionLogprobs]):
-    text: str
-
-
-class CompletionResponse(_Envelope[CompletionChoice]):
-    """A whole completion, and each streamed chunk of one (OpenAI uses one shape for both)."""
-
-    object: Literal["text_completion"] = "text_completion"
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None = None
-
-
-class ChatMessageOut(BaseModel):
-    role: str = "assistant"
-    content: str | None = None
-
-
-class ChatChoice(_Choice[ChatLogprobs]):
-    message: ChatMessageOut
-
-
-class ChatCompletionResponse(_Envelope[ChatChoice]):
-    object: Literal["chat.completion"] = "chat.completion"
-
-
-class DeltaMessage(BaseModel):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(_Choice[ChatLogprobs]):
-    delta: DeltaMessage
-
-
-class ChatCompletionChunk(_Envelope[ChatChunkChoice]):
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now_s)
-    owned_by: str = "splitserve"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
+__all__ = [
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "StreamOptions",
+    "PromptTokensDetails",
+    "UsageInfo",
+    "CompletionLogprobs",
+    "CompletionChoice",
+    "CompletionResponse",
+    "TopLogprob",
+    "ChatTokenLogprob",
+    "ChatLogprobs",
+    "ChatMessageOut",
+    "ChatChoice",
+    "ChatCompletionResponse",
+    "DeltaMessage",
+    "ChatChunkChoice",
+    "ChatCompletionChunk",
+    "ModelCard",
+    "ModelList",
+]

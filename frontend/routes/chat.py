@@ -5,16 +5,16 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 
 from frontend.generate import Generation
-from frontend.openapi import generation_responses
-from frontend.protocol import (
+from frontend.openai_responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatMessageOut,
     DeltaMessage,
 )
+from frontend.openapi import generation_responses
+from frontend.protocol import ChatCompletionRequest
 from frontend.responses import TokenRenderer, concat_steps, usage_of
 from frontend.routes.generations import generations_for
 from frontend.routes.state import PipelineDep

@@ -5,8 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 
 from frontend.generate import Generation
+from frontend.openai_responses import CompletionChoice, CompletionResponse
 from frontend.openapi import generation_responses
-from frontend.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from frontend.protocol import CompletionRequest
 from frontend.responses import TokenRenderer, concat_steps, usage_of
 from frontend.routes.generations import generations_for
 from frontend.routes.state import PipelineDep

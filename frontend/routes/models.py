@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from frontend.openai_responses import ModelCard, ModelList
 from frontend.openapi import error_responses
-from frontend.protocol import ModelCard, ModelList
 from frontend.routes.state import PipelineDep
 
 router = APIRouter()

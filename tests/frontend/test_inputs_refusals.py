@@ -280,7 +280,7 @@ def test_a_body_that_is_not_a_json_object_is_a_400_saying_so(
         ("stream", "true"),
         ("ignore_eos", 1),
         ("max_tokens", "5"),
-        ("max_tokens", 5.0),
+        ("max_tokens", 5.5),
         ("top_k", True),
         ("temperature", "0.5"),
     ],
@@ -298,3 +298,13 @@ def test_an_integer_where_a_number_is_named_is_accepted(gateway: Gateway):
         gateway, "/v1/completions", {"prompt": "hi", "temperature": 0, "top_p": 1, "max_tokens": 2}
     )
     assert response.status_code == 200, response.text
+
+
+def test_a_whole_float_where_an_integer_is_named_is_that_integer(gateway: Gateway):
+    # JSON Schema counts 2.0 as an integer, so the document promises it is taken
+    body = {"prompt": [5.0, 6.0], "max_tokens": 2.0, "stop_token_ids": [7.0], "seed": 3.0}
+    response = _post(gateway, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    sent = gateway.prefill.requests[-1]
+    assert list(sent.prompt_token_ids) == [5, 6] and list(sent.sampling_params.stop_token_ids) == [7]
+    assert sent.sampling_params.max_tokens == 2 and sent.sampling_params.seed == 3
