@@ -4,7 +4,8 @@
 what one device holds: the weights (from `engine.param_count`, divided by `tensor_parallel`),
 the fused copies the engine builds at load, an activation margin, and the pool's
 `kv_cache_memory_bytes`, which buys `max_num_seqs` state slots and KV blocks with the rest
-(`engine.cache_spec.plan_cache`, the arithmetic the engine allocates by). It needs only the
+(`engine.cache_spec.plan_cache`, the arithmetic the engine allocates by), and with prefix caching
+on the KDA snapshot pool beside it (`cache.snapshot_memory_bytes`, whole snapshots only). It needs only the
 checkpoint's config.json, so it runs on a GPU-less head node before a download. Torch-free.
 
 The activation margin is an estimate, not a measurement: per batched token, 4 bytes (fp32, the
@@ -89,8 +90,19 @@ class PoolPlan:
     device_memory_source: str
 
     @property
+    def snapshot_bytes(self) -> int:
+        """The prefix cache's KDA snapshot pool, allocated beside the KV budget (0 without caching)."""
+        return self.cache.snapshot_bytes if self.cache is not None else 0
+
+    @property
     def need_bytes(self) -> int:
-        return self.weight_bytes + self.fused_bytes + self.activation.total_bytes + self.kv_cache_memory_bytes
+        return (
+            self.weight_bytes
+            + self.fused_bytes
+            + self.activation.total_bytes
+            + self.kv_cache_memory_bytes
+            + self.snapshot_bytes
+        )
 
     @property
     def left_for_cache_bytes(self) -> int | None:
@@ -118,7 +130,7 @@ class PoolPlan:
         if self.cache is None:
             return False
         left = self.left_for_cache_bytes
-        return None if left is None else self.kv_cache_memory_bytes <= left
+        return None if left is None else self.kv_cache_memory_bytes + self.snapshot_bytes <= left
 
     def problems(self) -> list[str]:
         """Why the plan does not fit, each naming the pool, the numbers and what to change."""
@@ -126,8 +138,9 @@ class PoolPlan:
         if self.cache_error is not None:
             found.append(f"{self.pool}: {self.cache_error}")
         left = self.left_for_cache_bytes
-        if left is None or self.kv_cache_memory_bytes <= left:
+        if left is None or self.kv_cache_memory_bytes + self.snapshot_bytes <= left:
             return found
+        left -= self.snapshot_bytes  # what the KV budget may take beside the snapshot pool
         smallest = self.num_slots * self.unit.slot_bytes + self.unit.block_bytes
         fix = (
             f"lower {self.pool}.kv_cache_memory_bytes to at most {human_bytes(left)}"
@@ -138,7 +151,8 @@ class PoolPlan:
         found.append(
             f"{self.pool}: needs {human_bytes(self.need_bytes)} per device (weights {human_bytes(self.weight_bytes)}, "
             f"fused copies {human_bytes(self.fused_bytes)}, activations {human_bytes(self.activation.total_bytes)}, "
-            f"kv_cache_memory_bytes {human_bytes(self.kv_cache_memory_bytes)}) but the device has "
+            f"kv_cache_memory_bytes {human_bytes(self.kv_cache_memory_bytes)}, prefix snapshots "
+            f"{human_bytes(self.snapshot_bytes)}) but the device has "
             f"{human_bytes(self.device_memory_bytes or 0)} ({self.device_memory_source}); {fix}, or use a "
             "bigger device (or a smaller dtype)"
         )
@@ -162,6 +176,8 @@ class PoolPlan:
             "device_memory_source": self.device_memory_source,
             "left_for_cache_bytes": self.left_for_cache_bytes,
             "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+            "snapshot_bytes": self.snapshot_bytes,
+            "num_snapshots": self.cache.num_snapshots if self.cache else None,
             "block_size": self.unit.mla.block_size,
             "block_bytes": self.unit.block_bytes,
             "slot_bytes": self.unit.slot_bytes,

@@ -8,7 +8,8 @@ preempted for lack of blocks. That is capped by the device:
   multi-GiB fill costs tens of seconds and as much resident memory for nothing on the small
   models a CPU serves; the cap keeps start-up to a second or two.
 * CUDA: at most the memory left after the weights, keeping `1 - GPU_MEMORY_UTILIZATION` of the
-  device's total free for activations (vLLM's `gpu_memory_utilization`, without its profiling).
+  device's total free for activations (vLLM's `gpu_memory_utilization`, without its profiling),
+  less the prefix cache's snapshot pool (`snapshot_memory_bytes`) when caching is on.
 
 A checkpoint with a context longer than the capped budget holds then gets a shorter
 `max_model_len` (see `cache_spec.plan_cache`); pass `kv_cache_memory_bytes` for more.
@@ -39,6 +40,8 @@ def default_kv_cache_bytes(
         torch.cuda.empty_cache()  # blocks cached while loading are free for the KV cache too
         free, total = torch.cuda.mem_get_info(device)
         cap = int(GPU_MEMORY_UTILIZATION * total) - (total - free)  # the engine's share less what is in use
+        if config.enable_prefix_caching:
+            cap -= config.snapshot_memory_bytes  # the snapshot pool is allocated beside the KV cache
         where = (
             f"capped at the GPU memory left after the weights less {1 - GPU_MEMORY_UTILIZATION:.0%} of "
             f"the device ({cap / 2**20:,.0f} MiB)"

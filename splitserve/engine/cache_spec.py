@@ -97,7 +97,8 @@ class CachePlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.num_blocks * self.block_bytes + self.num_slots * self.slot_room_bytes + self.snapshot_bytes
+        """The KV blocks and state slots (the KV budget's share; snapshots are `snapshot_bytes`)."""
+        return self.num_blocks * self.block_bytes + self.num_slots * self.slot_room_bytes
 
     def snapshots_for(self, snapshot_memory_bytes: int) -> int:
         """How many snapshots `snapshot_memory_bytes` holds."""

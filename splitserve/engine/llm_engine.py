@@ -88,12 +88,12 @@ class LLMEngine:
         self._sinks: dict[str, TransferSink] = {}  # reserved requests' state, written from any thread
         self._arrivals = itertools.count()
         logger.info(
-            "engine ready: %d KV blocks x %d tokens, %d state slots, %d prefix snapshots, %.1f MiB of cache",
+            "engine ready: %d KV blocks x %d tokens, %d state slots, %.1f MiB of cache; %d prefix snapshots",
             self.plan.num_blocks,
             config.block_size,
             self.plan.num_slots,
-            self.plan.num_snapshots,
             self.plan.total_bytes / 2**20,
+            self.plan.num_snapshots,
         )
 
     def _block_pool(self) -> tuple[BlockAllocator, SlotAllocator, PrefixCache | None]:

@@ -111,6 +111,8 @@ class Scheduler:
                 self.release(request)
                 request.num_computed_tokens = 0
                 break
+            if self.prefix_cache is not None:
+                self.prefix_cache.confirm(request)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -177,8 +179,9 @@ class Scheduler:
         self.release(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
-        if request.cache_state is not None:
-            request.cache_state.boundaries = []  # planned again from its hit when readmitted
+        if request.cache_state is not None:  # planned and indexed again from its hit when readmitted
+            request.cache_state.boundaries = []
+            request.cache_state.num_published_units = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)

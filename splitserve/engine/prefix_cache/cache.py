@@ -121,7 +121,8 @@ class PrefixCache:
 
     def admit(self, request: Request) -> None:
         """Start a request just given its slot from the longest hit (local or imported), and plan
-        its snapshots. The scheduler reserves the blocks of its first chunk next."""
+        its snapshots. The scheduler reserves the blocks of its first chunk next, then calls
+        `confirm` (or releases the request, which may be admitted again later)."""
         st = self.naming.state(request)
         limit = request.num_tokens - 1  # a sample needs the last token computed here
         chain = self.naming.chain(request, limit)
@@ -129,17 +130,11 @@ class PrefixCache:
         hit = match.hit
         num_hit = hit.num_tokens if hit is not None and self._apply(request, hit) else 0
         imported = request.imported_prefix
-        request.imported_prefix = None
+        request.imported_prefix = None  # used now or never (kept locally once scattered)
+        st.pending = (num_hit, 0, match.kv_tokens)
         if imported is not None and num_hit < imported.num_tokens <= limit and self._import(request, imported):
             num_hit = imported.num_tokens
-            if not st.admitted:
-                self.stats.num_imported_tokens += num_hit
-        elif not st.admitted:
-            self.stats.num_hit_tokens += num_hit
-        if not st.admitted:
-            self.stats.num_queried_tokens += request.num_input_tokens
-            self.stats.num_lost_to_missing_state_tokens += max(0, match.kv_tokens - num_hit)
-            request.num_cached_tokens = min(num_hit, request.num_prompt_tokens)
+            st.pending = (0, num_hit, match.kv_tokens)
         input_end = request.num_input_tokens
         input_chain = self.naming.chain(request, input_end)
         st.boundaries = self.policy.plan(
@@ -149,7 +144,21 @@ class PrefixCache:
             lambda key: key in self.blocks.index,
             first_admission=not st.admitted,
         )
+
+    def confirm(self, request: Request) -> None:
+        """The request was admitted with its first chunk's blocks: count its first admission."""
+        st = self.naming.state(request)
+        if st.admitted:
+            return
         st.admitted = True
+        local, imported, kv_tokens = st.pending
+        s = self.stats
+        s.num_queried_tokens += request.num_input_tokens
+        s.num_hit_tokens += local
+        s.num_imported_tokens += imported
+        s.num_lost_to_missing_state_tokens += max(0, kv_tokens - local - imported)
+        request.num_cached_tokens = min(local + imported, request.num_prompt_tokens)
+        self.policy.record(self.naming.chain(request, request.num_input_tokens))
 
     def _apply(self, request: Request, hit: Hit) -> bool:
         """Share the hit's whole blocks, copy its partial last block, load its snapshot."""

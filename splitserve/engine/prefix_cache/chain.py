@@ -20,6 +20,9 @@ class RequestCacheState:
     boundaries: list[int] = field(default_factory=list)
     num_published_units: int = 0
     admitted: bool = False  # counted in the stats and recorded in the sketch (first admission)
+    # what the last `admit` found, committed to the stats by `confirm` on the first admission:
+    # (tokens hit locally, tokens imported, tokens whose KV matched)
+    pending: tuple[int, int, int] = (0, 0, 0)
 
 
 class Naming:

@@ -57,8 +57,8 @@ class RetentionPolicy:
         kv_known: Callable[[bytes], bool],
         first_admission: bool = True,
     ) -> list[int]:
-        """Sorted boundaries in (num_hit, input_end] to snapshot. The first admission records the
-        chain as seen; a request readmitted after preemption does not count as a second sighting."""
+        """Sorted boundaries in (num_hit, input_end] to snapshot. Only a first admission looks for
+        a junction: a request readmitted after preemption has seen its own units already."""
         points = {input_end}
         if self.interval:
             points.update(range(self.interval, input_end, self.interval))
@@ -70,6 +70,9 @@ class RetentionPolicy:
                 if chain[i] in self.sketch or kv_known(chain[i]):
                     points.add((i + 1) * self.unit)
                     break
+        return sorted(p for p in points if num_hit < p <= input_end)
+
+    def record(self, chain: list[bytes]) -> None:
+        """An admitted request's units have been seen (once more)."""
         for key in chain:
             self.sketch.add(key)
-        return sorted(p for p in points if num_hit < p <= input_end)
