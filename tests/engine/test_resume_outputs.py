@@ -87,3 +87,34 @@ def test_resume_refuses_what_does_not_fit(engines):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request("bad", PROMPT, params, output_token_ids=[10**9])
     assert "full" not in engine.requests and "bad" not in engine.requests
+
+
+@pytest.mark.parametrize("name", ["greedy", "seeded"])
+def test_resume_with_prefix_caching_on_continues_exactly(tiny_model_path, name):
+    """The cluster default: the re-prefill may start at a cached prefix of the prompt (its first
+    run left one), and the handoff still carries prompt + sent tokens whole."""
+    config = EngineConfig(
+        model=str(tiny_model_path),
+        max_model_len=512,
+        enable_prefix_caching=True,
+        prefix_unit=16,
+        block_size=16,
+    )
+    prefill, decode = LLMEngine(config), LLMEngine(config)
+    params = PARAMS[name]
+    expected = _uninterrupted(prefill, params)
+    sent = expected[:6]
+    states: list[LayerState] = []
+    request = prefill.add_request("r", PROMPT, params, export=states.append, output_token_ids=sent)
+    assert decode.reserve_transfer("r", len(PROMPT) + len(sent))
+    _finish(prefill)
+    assert request.finish_reason == HANDOFF and request.output_token_ids == expected[:7]
+    assert request.num_cached_tokens > 0  # the re-prefill did start at the first run's prefix
+    for state in states:
+        decode.write_transferred_state("r", state)
+    admitted = decode.admit_transferred("r", PROMPT, params, expected[6], output_token_ids=sent)
+    _finish(decode)
+    assert admitted.output_token_ids == expected
+    resumed_here = prefill.add_request("again", PROMPT, params, output_token_ids=expected[:3])
+    _finish(prefill)
+    assert resumed_here.output_token_ids == expected
