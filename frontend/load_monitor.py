@@ -118,3 +118,4 @@ class LoadMonitor:
             return
         for tier in stats.tiers:
             self.metrics.set_store_usage(address, tier.name, tier.num_bytes, tier.capacity_bytes)
+        self.metrics.set_store_prefix(address, stats)

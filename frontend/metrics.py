@@ -12,6 +12,22 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 _LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKEN_BUCKETS = (1, 8, 32, 128, 512, 2048, 8192, 32768, 131072)
 _BYTE_BUCKETS = tuple(float(1 << shift) for shift in range(10, 41, 2))  # 1 KiB .. 1 TiB
+# The store as the cluster's prefix cache: (its StoreStats field, series, help), gauges per store.
+_STORE_PREFIX_SERIES = (
+    (
+        "num_prefix_lookups",
+        "splitserve_store_prefix_lookups",
+        "Prefix lookups the store answered since it started",
+    ),
+    ("num_prefix_hit_tokens", "splitserve_store_prefix_hit_tokens", "Prompt tokens its prefix hits covered"),
+    (
+        "num_prefix_evictions",
+        "splitserve_store_prefix_evictions",
+        "Retained prefixes it dropped since it started",
+    ),
+    ("num_prefix_keys", "splitserve_store_prefix_entries", "Retained prefixes the store holds"),
+    ("num_prefix_bytes", "splitserve_store_prefix_bytes", "Bytes of retained prefixes the store holds"),
+)
 
 
 class GatewayMetrics:
@@ -82,6 +98,7 @@ class GatewayMetrics:
         self.store_capacity = gauge(
             "splitserve_store_capacity_bytes", "State store capacity", ["store", "tier"]
         )
+        self.store_prefix = {field: gauge(name, doc, ["store"]) for field, name, doc in _STORE_PREFIX_SERIES}
 
     # Every series but the store gauges is per model_name (several gateways may share a Prometheus).
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...], *extra: str) -> Histogram:
@@ -119,6 +136,11 @@ class GatewayMetrics:
         """Hook for whoever reads store Stats (the gateway's refresher, or a controller)."""
         self.store_bytes.labels(store, tier).set(num_bytes)
         self.store_capacity.labels(store, tier).set(capacity_bytes)
+
+    def set_store_prefix(self, store: str, stats: object) -> None:
+        """The store's prefix-cache counters from its Stats reply (`num_prefix_*`), per store."""
+        for field, series in self.store_prefix.items():
+            series.labels(store).set(getattr(stats, field))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
