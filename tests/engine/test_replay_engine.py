@@ -68,10 +68,10 @@ def test_seeded_equals_the_plain_path_with_chunked_prefill(tiny_model_path, prom
 def test_greedy_equals_the_plain_path_under_preemption(tiny_model_path, prompts):
     config = KimiLinearModelConfig.from_pretrained(tiny_model_path)
     block_size, max_num_seqs = 16, 6
-    unit = CachePlan.specs(config, block_size=block_size, dtype="float32")
+    unit = CachePlan.specs(config, block_size=block_size, dtype="float32", replay_window=WINDOW)
     num_blocks = -(-(max(PROMPT_LENGTHS) + NUM_NEW_TOKENS) // block_size) + 3  # not all of them fit
     kwargs = dict(
-        kv_cache_memory_bytes=max_num_seqs * unit.slot_bytes + num_blocks * unit.block_bytes,
+        kv_cache_memory_bytes=max_num_seqs * unit.slot_room_bytes + num_blocks * unit.block_bytes,
         block_size=block_size,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=32,
