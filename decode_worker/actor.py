@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
 
 from splitserve.worker.actor_base import WorkerActorBase
-from splitserve.worker.prefix_publisher import PrefixPublisher
+
+if TYPE_CHECKING:  # the engine side is imported where the actor runs, not where it is named
+    from splitserve.worker.prefix_publisher import PrefixPublisher
 
 
 class DecodeWorkerActor(WorkerActorBase):
@@ -19,6 +22,7 @@ class DecodeWorkerActor(WorkerActorBase):
     def register_services(self) -> Callable[[grpc.Server], None]:
         from decode_worker.servicer import DecodeServicer
         from splitserve.v1 import decode_pb2_grpc
+        from splitserve.worker.prefix_publisher import PrefixPublisher
 
         if not self.store_address:
             raise ValueError("a decode worker needs the address of its node's state store")
