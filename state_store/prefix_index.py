@@ -48,28 +48,24 @@ class PrefixIndex:
         return key in self._hashes_by_key
 
     def register(
-        self,
-        hash_chain: Sequence[bytes],
-        key: str,
-        tail_token_ids: Sequence[int] = (),
-        num_tokens: int = 0,
+        self, chain: Sequence[bytes], key: str, tail: Sequence[int] = (), num_tokens: int = 0
     ) -> int:
-        """Records that `key` holds the prefix named by `hash_chain` (+ `tail_token_ids`, the
-        tokens past its last whole unit, with `num_tokens` in all); returns its length in units."""
-        if not hash_chain:
+        """Records that `key` holds the prefix named by `chain` (+ `tail`, the tokens past its last
+        whole unit, with `num_tokens` in all); returns its length in units."""
+        if not chain:
             raise ValueError(f"cannot register key {key!r} under an empty prefix-hash chain")
-        tail = tuple(int(t) for t in tail_token_ids)
+        tail = tuple(int(t) for t in tail)
         if tail and num_tokens <= len(tail):
             raise ValueError(
                 f"key {key!r}: a tail of {len(tail)} tokens needs num_tokens (got {num_tokens}) to "
                 "say where it starts"
             )
-        last = bytes(hash_chain[-1])
+        last = bytes(chain[-1])
         entries = self._by_hash.setdefault(last, [])
         entries[:] = [e for e in entries if e.key != key]
         entries.append(_Registration(key, tail, num_tokens))
         self._hashes_by_key.setdefault(key, set()).add(last)
-        return len(hash_chain)
+        return len(chain)
 
     def longest_match(
         self,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-from splitserve.state.chunk import ChunkMeta, can_cut
+from splitserve.state.chunk import ChunkId, ChunkMeta, can_cut
 from splitserve.state.errors import InvalidChunkError, KeySealedError, StateReleasedError, StoreFullError
 from state_store.tiered import RegionId
 
@@ -33,6 +33,9 @@ class RegionWrites:
         def _expire_locked(self) -> int: ...
         def _writable_locked(self, key: str, owner: str, lease_s: float | None) -> Entry: ...
         def _evict_locked(self, key: str, why: str) -> None: ...
+        def _tier_put_locked(
+            self, key: str, oid: ChunkId | RegionId, data: bytes | memoryview, **kwargs: bool
+        ) -> list[tuple[str, str]]: ...
         def _notify_locked(self, key: str) -> None: ...
 
     def allocate(self, key: str, *, owner: str, num_bytes: int, lease_s: float | None = None) -> str:
@@ -51,8 +54,8 @@ class RegionWrites:
                 self._expire_locked()
                 entry = self._writable_locked(key, owner, lease_s)
                 try:
-                    lost = self._tiers.put(
-                        RegionId(key, region.name), region.view, pin=True, memory_only=True
+                    lost = self._tier_put_locked(
+                        key, RegionId(key, region.name), region.view, pin=True, memory_only=True
                     )
                 except StoreFullError as e:
                     raise StoreFullError(

@@ -44,6 +44,10 @@ class RetainedPrefixes:
         if key in self._keys:
             self._keys.move_to_end(key)
 
+    def oldest(self, excluding: str) -> str | None:
+        """The least recently used key other than `excluding`, or None."""
+        return next((key for key in self._keys if key != excluding), None)
+
     def discard(self, key: str) -> None:
         self._keys.pop(key, None)
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import math
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator
 
 from splitserve.state import checksum
 from splitserve.state.chunk import MAX_CHUNK_BYTES, Chunk, ChunkMeta
@@ -22,7 +21,7 @@ from splitserve.state.errors import (
     StateTimeoutError,
     StoreFullError,
 )
-from splitserve.state.records import KeyInfo, PrefixMatch, ReleaseResult, StoreStats
+from splitserve.state.records import KeyInfo, ReleaseResult, StoreStats
 from state_store.arena import Arena
 from state_store.config import StoreConfig
 from state_store.disk_tier import DiskTier
@@ -30,6 +29,7 @@ from state_store.entry import Entry, Tombstones
 from state_store.leases import Clock, LeaseTable
 from state_store.memory_tier import MemoryTier
 from state_store.polled_reads import PolledReads
+from state_store.prefix_catalog import PrefixCatalog
 from state_store.prefix_index import PrefixIndex
 from state_store.region_writes import RegionWrites
 from state_store.retained import RetainedPrefixes
@@ -37,7 +37,7 @@ from state_store.tier import Tier
 from state_store.tiered import RegionId, TieredStorage
 
 
-class StateStore(RegionWrites, PolledReads):
+class StateStore(RegionWrites, PolledReads, PrefixCatalog):
     """Owns every chunk put into it until its key is released, expires, is evicted or corrupts.
 
     Promises:
@@ -213,48 +213,6 @@ class StateStore(RegionWrites, PolledReads):
                 tuple(entry.metas[cid] for cid in entry.order),
             )
 
-    def register(
-        self,
-        hash_chain: Sequence[bytes],
-        key: str,
-        *,
-        tail_token_ids: Sequence[int] = (),
-        num_tokens: int = 0,
-    ) -> None:
-        """Records that `key` holds the complete state of the prefix named by `hash_chain` (and
-        `tail_token_ids` past its last unit; `num_tokens` in all) and retains the key: no lease
-        expiry from now on (see the class docstring for what ends it)."""
-        with self._lock:
-            self._expire_locked()
-            self._live_locked(key)
-            self._prefixes.register(hash_chain, key, tail_token_ids, num_tokens)
-            if key not in self._retained:
-                self._leases.renew(key, math.inf)
-                self._retained.add(key)
-            for victim in self._retained.over_budget():
-                self._evict_locked(victim, "the retained prefixes outgrew the store's prefix_budget_bytes")
-
-    def longest_match(self, hash_chain: Sequence[bytes]) -> tuple[int, str | None]:
-        """(units, key) of the longest registered, sealed prefix of `hash_chain` ending on a unit
-        boundary; (0, None) if none (`match_prefix` also says how many tokens)."""
-        found = self.match_prefix(hash_chain)
-        return found.num_units, found.key
-
-    def match_prefix(
-        self, hash_chain: Sequence[bytes], token_ids: Sequence[int] | None = None
-    ) -> PrefixMatch:
-        """(units, key, tokens) of the longest registered, sealed prefix of `hash_chain` (whose
-        tail, if it ends inside a unit, continues `token_ids`); (0, None, 0) if none."""
-        with self._lock:
-            self._expire_locked()
-            found = self._prefixes.longest_match(hash_chain, self._is_sealed_locked, token_ids)
-            self._stats.num_prefix_lookups += 1
-            if found.key is not None:
-                self._stats.num_prefix_hits += 1
-                self._stats.num_prefix_hit_tokens += found.num_tokens
-                self._retained.touch(found.key)
-            return found
-
     # ---- lifetime -------------------------------------------------------------------------
 
     def renew(self, key: str, lease_s: float) -> float:
@@ -382,7 +340,7 @@ class StateStore(RegionWrites, PolledReads):
 
     def _place_locked(self, entry: Entry, meta: ChunkMeta, data: bytes | memoryview) -> None:
         try:
-            lost = self._tiers.put(meta.id, data, pin=entry.num_pins > 0)
+            lost = self._tier_put_locked(entry.key, meta.id, data, pin=entry.num_pins > 0)
         except StoreFullError as e:
             raise StoreFullError(f"cannot store {meta.describe()}: {e}") from None
         for key, why in lost:

@@ -8,8 +8,9 @@ from collections.abc import Iterator
 import pytest
 
 from splitserve.state.client import StateStoreClient
-from splitserve.state.errors import CorruptStateError
+from splitserve.state.errors import CorruptStateError, StoreFullError
 from splitserve.state.records import PrefixMatch
+from state_store.arena import Arena
 from state_store.memory_tier import MemoryTier
 from state_store.prefix_index import PrefixIndex
 from state_store.store import StateStore
@@ -119,3 +120,22 @@ def test_register_and_lookup_with_tails_over_grpc(client: StateStoreClient) -> N
     stats = client.stats()
     assert (stats.num_prefix_lookups, stats.num_prefix_hit_tokens, stats.num_prefix_keys) == (3, 15, 1)
     assert stats.num_prefix_bytes == 2048
+
+
+def test_state_in_flight_takes_the_room_of_retained_prefixes_in_the_arena(tmp_path, clock: FakeClock) -> None:
+    """Arena regions are pinned (the tiers cannot evict them): retained ones give way instead."""
+    store = StateStore(MemoryTier(5000), clock=clock, arena=Arena(tmp_path / "arena"))
+    try:
+        for key in ("old", "new"):
+            region = store.allocate(key, owner="prefix-cache", num_bytes=2000)
+            store.put_region(make_chunk(key, size=2000).meta, region, 0, owner="prefix-cache", final=True)
+            store.register([key.encode()], key, num_tokens=UNIT)
+        store.match_prefix([b"old"])  # "old" is hit last: "new" is now the least recently used
+        store.allocate("handoff", owner="prefill-0", num_bytes=2500)  # 6500 > 5000: one must go
+        assert store.match_prefix([b"new"]).key is None and store.lookup("new") is None
+        assert store.match_prefix([b"old"]).key == "old"
+        assert store.stats().num_prefix_evictions == 1
+        with pytest.raises(StoreFullError):  # nothing retained is left to give way
+            store.allocate("handoff-2", owner="prefill-0", num_bytes=2600)
+    finally:
+        store.close()
