@@ -51,8 +51,9 @@ class StateStore(RegionWrites, PolledReads, PrefixCatalog):
       evicts takes its whole key with it. Pinned keys are never evicted.
     * Every key has an owner and a lease; expiry is checked on every call and by `expire()`.
     * A key registered in the prefix index (a retained prefix) loses its lease: it stays until
-      the tiers evict it, the retained prefixes outgrow `prefix_budget_bytes` (least recently hit
-      first), it is released, or a piece of it reads corrupt; then the index forgets it.
+      the tiers evict it, the retained prefixes outgrow `prefix_budget_bytes` or state in flight
+      needs their room (least recently hit first), it is released, or a piece of it reads
+      corrupt; then the index forgets it (`PrefixCatalog`).
     * With an `arena`, a writer on the node may `allocate` a shared-memory region for a key, fill
       it, and `put_region` its chunks: their bytes stay in the region (counted and pinned in the
       memory tier) until the key goes, and are checksum-verified by whoever reads them.
