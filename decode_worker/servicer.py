@@ -57,6 +57,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             return decode_pb2.ReserveResponse(
                 accepted=False, reject_reason="no free KV blocks or state slots"
             )
+        if not context.is_active():  # the caller gave up (its deadline passed): it will never abort it
+            self._abort_engine(rid)
+            return decode_pb2.ReserveResponse(accepted=False, reject_reason="the caller is gone")
         key = f"{self.worker_id}/{rid}"
         timeout_s = request.timeout_s or self.state_timeout_s
         reader = StateReader(sink, self.store, rid, key, timeout_s, self._free_room)

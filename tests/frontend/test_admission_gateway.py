@@ -224,3 +224,46 @@ def test_a_refusal_after_some_prompts_reserved_frees_their_slots_before_it_answe
     assert response.status_code == 429 and response.headers["retry-after"] == "1"
     assert cluster.decode.num_free_slots == baseline  # right after the answer, not once they lapse
     assert cluster.app.state.admission_queue.num_slots_in_use == 0  # type: ignore[attr-defined]
+
+
+class SlowReserveDecode(SlotDecode):
+    """Holds the Reserve of prompt 0 until `reserve_gate` is set; rejects prompt 1's once prompt 0's
+    has arrived, so the gateway gives up on the request while prompt 0's Reserve is in flight."""
+
+    def __init__(self, num_slots: int) -> None:
+        super().__init__(num_slots)
+        self.reserve_gate = threading.Event()
+        self.first_arrived = threading.Event()
+        self.rejected = threading.Event()
+
+    def Reserve(self, request, context):  # noqa: N802
+        if request.request_id.endswith("-0"):
+            self.first_arrived.set()
+            self.reserve_gate.wait(30)
+            return super().Reserve(request, context)  # granted, after the gateway gave up
+        self.first_arrived.wait(30)
+        self.rejected.set()
+        return decode_pb2.ReserveResponse(accepted=False, reject_reason="no free KV blocks")
+
+
+def test_a_reserve_in_flight_when_the_request_fails_is_aborted_not_left_to_lapse() -> None:
+    prefill, decode = FakePrefill(Script([10, 11, 12])), SlowReserveDecode(NUM_SLOTS)
+    servers = [FakeWorkerServer(prefill), FakeWorkerServer(decode)]
+    settings = GatewaySettings(model_name=MODEL, max_model_len=256, rpc_timeout_s=30.0)
+    gateway = GatewayServer(
+        build_app(settings, None, LeastLoadRouter([servers[0].address], [servers[1].address]))
+    )
+    gateway.start()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(httpx.post, f"{gateway.url}/v1/completions", json=_body(2), timeout=60)
+            assert decode.rejected.wait(30), "prompt 1's Reserve never came"
+            decode.reserve_gate.set()  # prompt 0's room is granted only now
+            response = sent.result(timeout=60)
+        assert response.status_code == 429
+        assert decode.num_free_slots == NUM_SLOTS  # aborted before the 429, not held until it lapses
+    finally:
+        decode.reserve_gate.set()
+        gateway.stop()
+        for server in servers:
+            server.stop()

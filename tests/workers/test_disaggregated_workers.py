@@ -79,8 +79,10 @@ def test_the_prefill_reports_every_state_byte_it_streamed(cluster):
 
 def test_decode_without_reservation_is_not_found(cluster):
     _, addr = cluster
+    # with a state handle (a Decode without one is prefill.fallback's decode_local: it prefills itself)
+    ghost = decode_pb2.DecodeRequest(request_id="ghost", state=common_pb2.StateHandle(key="ghost"))
     with make_channel(addr["decode"]) as ch, pytest.raises(grpc.RpcError) as err:
-        list(decode_pb2_grpc.DecodeStub(ch).Decode(decode_pb2.DecodeRequest(request_id="ghost"), timeout=10))
+        list(decode_pb2_grpc.DecodeStub(ch).Decode(ghost, timeout=10))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert "call Reserve first" in err.value.details()
 
