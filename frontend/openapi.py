@@ -47,13 +47,22 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 def generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     """A generation route's responses: the whole `model` as JSON, or a server-sent event stream."""
-    stream = {
-        "schema": {
-            "type": "string",
-            "description": "`data: <chunk JSON>` per chunk, then `data: [DONE]`; a failure after the "
-            'first chunk is one last `data: {"error": ...}` event',
-        }
+    # One server-sent event: what schemathesis (and OpenAPI 3.2's itemSchema) validate per event.
+    event = {
+        "type": "object",
+        "properties": {
+            "data": {
+                "type": "string",
+                "description": "a chunk (the 200's JSON shape) as JSON; a failure after the first "
+                'chunk is one last `{"error": ...}` event; the stream ends with `[DONE]`',
+            },
+            "event": {"type": "string"},
+            "id": {"type": "string"},
+            "retry": {"type": "integer"},
+        },
+        "required": ["data"],
     }
+    stream = {"schema": event}
     ok = {
         "model": model,
         "description": "The whole response; with `stream: true`, server-sent events",

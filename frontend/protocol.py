@@ -49,9 +49,10 @@ def _integral(value: Any) -> Any:
     return value
 
 
-Integer = Annotated[int, BeforeValidator(_integral)]
-Int32 = Annotated[Integer, Field(ge=-(2**31), le=INT32_MAX)]
-TokenId = Annotated[Integer, Field(ge=0, le=INT32_MAX)]
+# The bounds first, the validator after: so the schema says minimum/maximum (pydantic writes a
+# constraint outside a validated type as `ge`/`le`, which JSON Schema does not know).
+Int32 = Annotated[int, Field(ge=-(2**31), le=INT32_MAX), BeforeValidator(_integral)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX), BeforeValidator(_integral)]
 # The schema says what `_prompt_shape` enforces: nothing empty.
 Prompt = (
     Annotated[str, Field(min_length=1)]
@@ -89,7 +90,7 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: Annotated[Integer, Field(ge=0, le=2**63 - 1)] | None = None
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1), BeforeValidator(_integral)] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -109,7 +110,7 @@ class _Request(BaseModel):
     return_tokens_as_token_ids: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    stop_token_ids: list[Annotated[Integer, Field(le=INT32_MAX)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(le=INT32_MAX), BeforeValidator(_integral)]] | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -62,7 +62,7 @@ def test_generation_routes_declare_what_they_send(document: dict[str, Any], path
     assert {"200", "400", "401", "404", "413", "429", "500", "503"} <= set(responses)
     ok = responses["200"]["content"]
     assert ok["application/json"]["schema"] == {"$ref": f"#/components/schemas/{GENERATION_ROUTES[path]}"}
-    assert ok["text/event-stream"]["schema"]["type"] == "string"
+    assert ok["text/event-stream"]["schema"]["properties"]["data"]["type"] == "string"  # one event
     assert "Retry-After" in responses["429"]["headers"]
 
 
@@ -154,3 +154,22 @@ def test_refused_requests_are_counted_by_reason_and_not_as_processed(gateway: Ga
     assert _value(final, "splitserve_prompt_tokens_total") == _value(
         after, "splitserve_prompt_tokens_total"
     ) + (num_prompt_tokens)
+
+
+def test_the_schemas_use_json_schema_keywords_only(document: dict[str, Any]):
+    """pydantic writes a bound it cannot place as `ge`/`le`, which validators silently ignore."""
+
+    def keys(node: Any) -> Iterator[str]:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                yield key
+                if key != "properties":  # property names are names, not keywords
+                    yield from keys(value)
+                else:
+                    for child in value.values():
+                        yield from keys(child)
+        elif isinstance(node, list):
+            for item in node:
+                yield from keys(item)
+
+    assert not {"ge", "le", "gt", "lt"} & set(keys(document["components"]["schemas"]))
