@@ -86,14 +86,14 @@ class _Request(BaseModel):
     max_tokens: Int32 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: Int32 = 1
+    n: Int32 = Field(1, json_schema_extra={"enum": [1]})  # the schema names the one value served
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: Annotated[int, Field(ge=0, le=2**63 - 1), BeforeValidator(_integral)] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
     user: str | None = None
     # OpenAI's bookkeeping fields: accepted and ignored (nothing a client reads depends on them)
     metadata: dict[str, str] | None = None
@@ -179,9 +179,9 @@ class CompletionRequest(_Request):
     prompt: Prompt
     max_tokens: Int32 | None = 16
     logprobs: Int32 | None = None
-    echo: bool = False
-    best_of: Int32 | None = None
-    suffix: str | None = None
+    echo: bool = Field(False, json_schema_extra={"enum": [False]})
+    best_of: Int32 | None = Field(None, json_schema_extra={"enum": [1, None]})
+    suffix: str | None = Field(None, json_schema_extra={"maxLength": 0})
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -270,7 +270,7 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: Int32 | None = None
     logprobs: bool = False
     top_logprobs: Int32 | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, json_schema_extra={"maxItems": 0})
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
