@@ -83,11 +83,12 @@ class PrefixCache:
     ) -> None:
         """Validate what `add_request` was given; ValueError naming what does not fit."""
         if prefix_hashes is not None:
-            want = request.num_prompt_tokens // self.unit
-            if len(prefix_hashes) != want:
+            # the prompt's whole units, or (a resumed request) those of prompt + given output tokens
+            want = {request.num_prompt_tokens // self.unit, request.num_input_tokens // self.unit}
+            if len(prefix_hashes) not in want:
                 raise ValueError(
                     f"prefix_hashes has {len(prefix_hashes)} names; a prompt of {request.num_prompt_tokens} "
-                    f"tokens has {want} whole units of {self.unit} (hash with cache.prefix_unit)"
+                    f"tokens has {min(want)} whole units of {self.unit} (hash with cache.prefix_unit)"
                 )
             request.prefix_hashes = list(prefix_hashes)
         if imported is None:
