@@ -209,7 +209,7 @@ class PrefixCache:
         for state in imported.states:
             write_piece(self.caches, state, rows, request.state_slot)
         request.num_computed_tokens = n
-        self.retain(request, n)
+        self.retain(request, n, notify=False)  # the listener's store has it already
         return True
 
     def clip_chunk(self, request: Request, num_new: int) -> int:
@@ -248,8 +248,9 @@ class PrefixCache:
 
     # ---- retention ---------------------------------------------------------------------------
 
-    def retain(self, request: Request, n: int) -> None:
-        """Keep the request's state at `n` computed tokens: its KV (units and tail) and a snapshot."""
+    def retain(self, request: Request, n: int, notify: bool = True) -> None:
+        """Keep the request's state at `n` computed tokens: its KV (units and tail) and a snapshot;
+        with `notify`, the retention listener gets a copy."""
         assert request.state_slot is not None
         self._publish(request, n)
         chain = self.naming.chain(request, n)
@@ -274,7 +275,7 @@ class PrefixCache:
         for d in deps:
             self._dependents.setdefault(d, set()).add(key)
         self._count_event(chain[whole - 1] if whole else None, n, +1)
-        if self.listener is not None:
+        if notify and self.listener is not None:
             self.listener(self._retained(request, chain[:whole], n))
 
     def _retained(self, request: Request, chain: list[bytes], n: int) -> RetainedPrefix:
