@@ -10,7 +10,7 @@ import grpc
 from splitserve.worker.actor_base import WorkerActorBase
 
 if TYPE_CHECKING:  # the engine side is imported where the actor runs, not where it is named
-    from splitserve.worker.prefix_publisher import PrefixPublisher
+    from splitserve.engine.prefix_store.publisher import PrefixPublisher
 
 
 class DecodeWorkerActor(WorkerActorBase):
@@ -21,8 +21,8 @@ class DecodeWorkerActor(WorkerActorBase):
 
     def register_services(self) -> Callable[[grpc.Server], None]:
         from decode_worker.servicer import DecodeServicer
+        from splitserve.engine.prefix_store.publisher import PrefixPublisher
         from splitserve.v1 import decode_pb2_grpc
-        from splitserve.worker.prefix_publisher import PrefixPublisher
 
         if not self.store_address:
             raise ValueError("a decode worker needs the address of its node's state store")

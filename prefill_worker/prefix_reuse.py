@@ -10,12 +10,12 @@ from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.prefix_cache.imported import ImportedPrefix
 from splitserve.engine.prefix_cache.match import find_hit
+from splitserve.engine.prefix_store.fetcher import PrefixFetcher
+from splitserve.engine.prefix_store.publisher import PrefixPublisher
 from splitserve.engine.request import Request
 from splitserve.prefix_hash import prefix_hash_chain
 from splitserve.sampling_params import SamplingParams
 from splitserve.state.client import StateStoreClient
-from splitserve.worker.prefix_fetcher import PrefixFetcher
-from splitserve.worker.prefix_publisher import PrefixPublisher
 
 LOOKUP_TIMEOUT_S = 5.0  # a store that does not answer a lookup in this long is skipped: compute instead
 
