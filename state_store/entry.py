@@ -35,6 +35,13 @@ class Entry:
         self.regions: dict[str, Region] = {}  # arena regions allocated to this key, by name
         self.locations: dict[ChunkId, tuple[Region, int]] = {}  # chunks committed in a region: where
 
+    @property
+    def held_bytes(self) -> int:
+        """What the key occupies in the tiers: chunks outside regions plus whole arena regions
+        (a region is sized before it is filled, so it may be larger than the chunks in it)."""
+        loose = sum(meta.num_bytes for cid, meta in self.metas.items() if cid not in self.locations)
+        return loose + sum(region.num_bytes for region in self.regions.values())
+
     def add(self, meta: ChunkMeta) -> None:
         self.metas[meta.id] = meta
         self.order.append(meta.id)

@@ -81,7 +81,7 @@ class StateStore(RegionWrites, PolledReads, PrefixCatalog):
         self._key_created = threading.Condition(self._lock)  # readers waiting for a first put
         self._leases = LeaseTable(clock)
         self._prefixes = PrefixIndex()
-        self._retained = RetainedPrefixes(prefix_budget_bytes, lambda key: self._entries[key].num_bytes)
+        self._retained = RetainedPrefixes(prefix_budget_bytes, lambda key: self._entries[key].held_bytes)
         self._tombstones = Tombstones(num_tombstones)
         self._stats = StoreStats()
         self._closed = False
