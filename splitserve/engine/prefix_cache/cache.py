@@ -172,7 +172,6 @@ class PrefixCache:
         num_full = hit.num_tokens // bs
         shared, partial = ids[:num_full], ids[num_full] if hit.num_tokens % bs else None
         self.blocks.share(shared)
-        self.snapshots.load(hit.snapshot_key, request.state_slot)
         request.block_table = list(shared)
         if partial is not None:
             self.blocks.share([partial])  # held while allocating, so eviction cannot reuse it
@@ -185,6 +184,8 @@ class PrefixCache:
                 self.blocks.free(request.block_table)
                 request.block_table = []
                 return False
+        # only now: a request that falls back to computing from 0 must keep its zeroed slot
+        self.snapshots.load(hit.snapshot_key, request.state_slot)
         request.num_computed_tokens = hit.num_tokens
         return True
 
@@ -197,13 +198,10 @@ class PrefixCache:
         """Scatter an imported prefix into fresh blocks and the slot, then keep it like our own."""
         assert request.state_slot is not None
         n, bs = imported.num_tokens, self.block_size
-        if request.block_table:
-            self.blocks.free(request.block_table)
-            request.block_table = []
         got = self.blocks.allocate(-(-n // bs))
         if got is None:
-            request.num_computed_tokens = 0
-            return False
+            return False  # the local hit, if any, stays as applied
+        self.blocks.free(request.block_table)  # a shorter local hit's blocks
         request.block_table = got
         rows = token_rows(got, n, bs)
         for state in imported.states:
