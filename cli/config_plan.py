@@ -110,6 +110,12 @@ def _blocks(plan: PoolPlan) -> str:
     return f"{plan.cache.num_blocks:,} x {plan.unit.mla.block_size} tokens ({human_bytes(plan.cache.num_blocks * plan.unit.block_bytes)})"
 
 
+def _snapshots(plan: PoolPlan) -> str:
+    if plan.cache is None or not plan.snapshot_bytes:
+        return "none"
+    return f"{plan.cache.num_snapshots:,} ({human_bytes(plan.snapshot_bytes)})"
+
+
 def _longest(plan: PoolPlan) -> str:
     return "-" if plan.max_model_len is None else f"{plan.max_model_len:,} tokens"
 
@@ -148,6 +154,7 @@ _ROWS = (
     ("kv_cache_memory_bytes", lambda p: human_bytes(p.kv_cache_memory_bytes)),
     ("  state slots (max_num_seqs)", _slots),
     ("  KV blocks", _blocks),
+    ("prefix snapshots (beside it)", _snapshots),
     ("longest request served", _longest),
     ("  one request, all blocks", _one_request),
     ("KV if the budget took all left", _all_left),
@@ -158,7 +165,7 @@ _ROWS = (
 
 def _verdict(plan: PoolPlan) -> str:
     if plan.fits:
-        spare = (plan.left_for_cache_bytes or 0) - plan.kv_cache_memory_bytes
+        spare = (plan.left_for_cache_bytes or 0) - plan.kv_cache_memory_bytes - plan.snapshot_bytes
         return f"{plan.pool}: fits, {human_bytes(spare)} spare per device"
     if plan.fits is None:
         return (
