@@ -355,7 +355,12 @@ def deployment(args: argparse.Namespace) -> Iterator[tuple[Any, str, str]]:
                 "prefill": pool,
                 "decode": pool,
                 "store": {"memory_bytes": "512MiB", "disk": {"path": None}},
-                "health": {"interval_s": 1, "timeout_s": 30, "start_timeout_s": 300},
+                "health": {
+                    "interval_s": 1,
+                    "timeout_s": 30,
+                    "start_timeout_s": 300,
+                    "max_restarts": args.max_restarts,
+                },
             }
         )
         with run_cluster(config, name=f"soak-{os.getpid()}") as cluster:
@@ -397,6 +402,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--attach", default=None, help="the name of a running deployment to soak")
     parser.add_argument(
         "--replicas", type=int, default=2, help="workers per pool of a deployment started here"
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        help="health.max_restarts of a deployment started here (the default, 3: a worker killed a "
+        "fourth time is left down; raise it to soak recovery alone)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
