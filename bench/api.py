@@ -63,6 +63,25 @@ def chunk_text(endpoint: str, event: dict[str, Any]) -> str | None:
     return content
 
 
+def chunk_token_ids(event: dict[str, Any]) -> list[int]:
+    """The generated token ids a completions stream event names in its logprobs (`token_id:N`,
+    asked for with `return_tokens_as_token_ids`); empty when it names none."""
+    choices = event.get("choices")
+    logprobs = choices[0].get("logprobs") if choices and isinstance(choices[0], dict) else None
+    tokens = logprobs.get("tokens") if isinstance(logprobs, dict) else None
+    if not isinstance(tokens, list):
+        return []
+    ids = []
+    for token in tokens:
+        if not isinstance(token, str) or not token.startswith("token_id:"):
+            raise ValueError(
+                f"a logprobs token is {token!r}, not 'token_id:N': the server ignored "
+                "return_tokens_as_token_ids, so the multi-turn-ids dataset cannot get the reply's ids"
+            )
+        ids.append(int(token.removeprefix("token_id:")))
+    return ids
+
+
 def error_message(payload: Any, fallback: str) -> str:
     """The message of an OpenAI error body (`{"error": {"message": ...}}`), else `fallback`."""
     if isinstance(payload, dict):

@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from bench.api import chunk_text, error_message
+from bench.api import chunk_text, chunk_token_ids, error_message
 
 _MAX_ERROR_CHARS = 1000
 
@@ -19,7 +19,8 @@ class StreamResult:
     """One streamed request as the client saw it; times are `time.perf_counter()` seconds.
 
     `chunk_s` holds the arrival of every content-bearing chunk, `end_s` that of the stream's
-    end (`data: [DONE]`) or of the failure. `error` is empty exactly when the request succeeded:
+    end (`data: [DONE]`) or of the failure. `token_ids` are the generated ids the chunks' logprobs
+    name (`token_id:N`; empty unless the request asked for them). `error` is empty exactly when the request succeeded:
     an HTTP status other than 200, an error event, a broken connection, a stream that ends
     without `[DONE]` or without any content all fail it.
     """
@@ -28,6 +29,7 @@ class StreamResult:
     end_s: float
     chunk_s: tuple[float, ...] = ()
     text: str = ""
+    token_ids: tuple[int, ...] = ()
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server sent it
@@ -39,12 +41,16 @@ class StreamResult:
 
 
 async def stream_request(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any], endpoint: str
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], endpoint: str, *, want_token_ids: bool = False
 ) -> StreamResult:
-    """POST `body` to `url` and read its event stream to the end; never raises for the server's faults."""
+    """POST `body` to `url` and read its event stream to the end; never raises for the server's faults.
+
+    With `want_token_ids` (the body asks for `token_id:N` logprobs) the generated ids are collected,
+    and a stream whose logprobs name tokens otherwise fails."""
     send_s = time.perf_counter()
     chunk_s: list[float] = []
     pieces: list[str] = []
+    token_ids: list[int] = []
     usage: dict[str, Any] = {}
 
     def result(error: str = "") -> StreamResult:
@@ -53,6 +59,7 @@ async def stream_request(
             end_s=time.perf_counter(),
             chunk_s=tuple(chunk_s),
             text="".join(pieces),
+            token_ids=tuple(token_ids),
             prompt_tokens=_int_or_none(usage.get("prompt_tokens")),
             completion_tokens=_int_or_none(usage.get("completion_tokens")),
             cached_tokens=_cached_tokens(usage),
@@ -84,6 +91,11 @@ async def stream_request(
                 if text is not None:
                     chunk_s.append(arrival_s)
                     pieces.append(text)
+                if want_token_ids:
+                    try:
+                        token_ids.extend(chunk_token_ids(event))
+                    except ValueError as exc:
+                        return result(str(exc))
                 if isinstance(event.get("usage"), dict):
                     usage = event["usage"]
             return result("the stream ended without data: [DONE]")

@@ -26,6 +26,7 @@ from bench.options import (
     add_report_options,
     add_request_options,
     check_chat_tokenizer,
+    check_dataset_endpoint,
     recorded_arguments,
     run_config_from_args,
 )
@@ -98,6 +99,7 @@ def run_compare(args: argparse.Namespace) -> int:
         check_chat_tokenizer(args.endpoint, tokenizer)
         run_config = run_config_from_args(args, base_url="", model="")  # each deployment fills these in
         dataset = build_dataset(args, tokenizer)
+        check_dataset_endpoint(dataset, args.endpoint)
     except ValueError as exc:
         print(f"splitserve bench compare: {exc}", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ from bench.api import ENDPOINTS
 from bench.datasets.config import DATASET_NAMES, DatasetConfig
 
 if TYPE_CHECKING:
+    from bench.datasets import Dataset
     from bench.runner import RunConfig
     from bench.tokenizer import BenchTokenizer
 
@@ -122,7 +123,7 @@ _DATASET_OPTIONS: tuple[tuple[str, tuple[tuple[str, type, str], ...]], ...] = (
         ),
     ),
     (
-        "multi-turn dataset (num-sessions x turns requests; needs a tokenizer)",
+        "multi-turn and multi-turn-ids datasets (num-sessions x turns requests; multi-turn needs a tokenizer)",
         (
             ("--mt-num-sessions", int, "concurrent conversations"),
             ("--mt-turns", int, "user turns per conversation"),
@@ -169,6 +170,21 @@ def check_chat_tokenizer(endpoint: str, tokenizer: BenchTokenizer | None) -> Non
         raise ValueError(
             "--endpoint chat sends text, which needs a tokenizer: pass --tokenizer PATH "
             "(a folder with tokenizer.json), or a local --model folder that has one"
+        )
+
+
+def check_dataset_endpoint(dataset: Dataset, endpoint: str) -> None:
+    """Raise ValueError when `endpoint` cannot send `dataset`'s prompts: chat takes text only."""
+    if endpoint != "chat":
+        return
+    if any(not isinstance(r.prompt, str) for r in dataset.requests):
+        raise ValueError(
+            "the chat endpoint needs text prompts; build the dataset with a tokenizer (--tokenizer PATH)"
+        )
+    if any(isinstance(t.user_message, tuple) for s in dataset.sessions for t in s.turns):
+        raise ValueError(
+            f"the {dataset.name} dataset sends token ids, which only the completions endpoint takes; "
+            "drop --endpoint chat or use the multi-turn dataset"
         )
 
 

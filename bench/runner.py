@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Coroutine
@@ -23,9 +24,11 @@ from tqdm import tqdm
 
 from bench.api import ENDPOINTS, endpoint_url, streaming_body
 from bench.arrivals import arrival_offsets, check_arrivals
-from bench.client import stream_request
-from bench.datasets import BenchRequest, Conversation, Dataset, Session
+from bench.client import StreamResult, stream_request
+from bench.datasets import BenchRequest, Conversation, Dataset, Session, TokenConversation
+from bench.datasets.multi_turn_ids import TOKEN_ID_FIELDS
 from bench.metrics import check_slo_names, summarize
+from bench.options import check_dataset_endpoint
 from bench.records import RequestRecord
 from bench.result import BenchmarkResult
 from bench.tokenizer import BenchTokenizer
@@ -84,7 +87,7 @@ async def run_benchmark(
     `tokenizer` counts output tokens when the server reports no usage. Pass `client` to reuse
     one (its limits and headers then apply, not `config`'s); otherwise one is made and closed.
     """
-    _check_prompts(dataset, config.endpoint)
+    check_dataset_endpoint(dataset, config.endpoint)
     owned = _make_client(config, dataset.num_requests) if client is None else contextlib.nullcontext(client)
     async with owned as http:
         run = _Run(http, config, tokenizer, dataset.num_requests)
@@ -147,35 +150,57 @@ class _Run:
     async def session(self, first_index: int, session: Session, offset_s: float) -> list[RequestRecord]:
         await self._wait_until(offset_s)
         conversation = Conversation()
+        id_conversation = TokenConversation()
         records: list[RequestRecord] = []
         for turn_index, turn in enumerate(session.turns):
             index = first_index + turn_index
             if records and not records[-1].success:
                 records.append(self._not_sent(index, session, turn_index, turn.output_len))
                 continue
-            conversation.ask(turn.user_message)
-            prompt: Any = conversation.messages() if self.config.endpoint == "chat" else conversation.text()
-            prompt_len = self._count(conversation.text())
-            record, reply = await self._send(
-                index,
-                prompt,
-                prompt_len,
-                turn.output_len,
-                session_id=session.session_id,
-                turn_index=turn_index,
-            )
-            conversation.answer(reply)
+            where = {"session_id": session.session_id, "turn_index": turn_index}
+            if isinstance(turn.user_message, tuple):
+                # Token ids: the reply goes back as the ids the server generated, never through text.
+                id_conversation.ask(turn.user_message)
+                prompt_ids = id_conversation.prompt()
+                record, stream = await self._send(
+                    index, prompt_ids, len(prompt_ids), turn.output_len, want_token_ids=True, **where
+                )
+                id_conversation.answer(stream.token_ids)
+            else:
+                conversation.ask(turn.user_message)
+                prompt: Any = (
+                    conversation.messages() if self.config.endpoint == "chat" else conversation.text()
+                )
+                prompt_len = self._count(conversation.text())
+                record, stream = await self._send(index, prompt, prompt_len, turn.output_len, **where)
+                conversation.answer(stream.text)
             records.append(record)
         return records
 
     async def _send(
-        self, index: int, prompt: Any, prompt_len: int, max_tokens: int, **where: int
-    ) -> tuple[RequestRecord, str]:
-        body = streaming_body(
-            self.config.endpoint, self.config.model, prompt, max_tokens, self.config.extra_body
+        self,
+        index: int,
+        prompt: Any,
+        prompt_len: int,
+        max_tokens: int,
+        *,
+        want_token_ids: bool = False,
+        **where: int,
+    ) -> tuple[RequestRecord, StreamResult]:
+        extra_body = (
+            {**TOKEN_ID_FIELDS, **self.config.extra_body} if want_token_ids else self.config.extra_body
         )
+        body = streaming_body(self.config.endpoint, self.config.model, prompt, max_tokens, extra_body)
         async with self.slots or contextlib.nullcontext():
-            stream = await stream_request(self.client, self.url, body, self.config.endpoint)
+            stream = await stream_request(
+                self.client, self.url, body, self.config.endpoint, want_token_ids=want_token_ids
+            )
+        if want_token_ids and stream.success and not stream.token_ids:
+            stream = dataclasses.replace(
+                stream,
+                error="the stream named no token ids (logprobs 'token_id:N'); the multi-turn-ids dataset "
+                "needs a server that honours return_tokens_as_token_ids",
+            )
         self.progress.update(1)
         record = RequestRecord.from_stream(
             stream,
@@ -186,7 +211,7 @@ class _Run:
             tokenizer=self.tokenizer,
             **where,
         )
-        return record, stream.text
+        return record, stream
 
     def _not_sent(self, index: int, session: Session, turn_index: int, max_tokens: int) -> RequestRecord:
         self.progress.update(1)
@@ -218,10 +243,3 @@ def _make_client(config: RunConfig, num_requests: int) -> httpx.AsyncClient:
         timeout=httpx.Timeout(config.request_timeout_s),
         limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
     )
-
-
-def _check_prompts(dataset: Dataset, endpoint: str) -> None:
-    if endpoint == "chat" and any(not isinstance(r.prompt, str) for r in dataset.requests):
-        raise ValueError(
-            "the chat endpoint needs text prompts; build the dataset with a tokenizer (--tokenizer PATH)"
-        )

@@ -16,6 +16,7 @@ from bench.options import (
     add_report_options,
     add_request_options,
     check_chat_tokenizer,
+    check_dataset_endpoint,
     recorded_arguments,
     run_config_from_args,
 )
@@ -60,6 +61,7 @@ def run_serve(args: argparse.Namespace) -> int:
             args, base_url=args.base_url, model=args.served_model_name or args.model
         )
         dataset = build_dataset(args, tokenizer)
+        check_dataset_endpoint(dataset, args.endpoint)
     except ValueError as exc:
         print(f"splitserve bench serve: {exc}", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 """Synthetic benchmark datasets, built from a seed alone (nothing is downloaded).
 
 `build_dataset(config, tokenizer)` builds the one `config.name` names: `random`,
-`shared-prefix` or `multi-turn`. The same config and tokenizer give identical prompts and
+`shared-prefix`, `multi-turn` or `multi-turn-ids`. The same config and tokenizer give identical prompts and
 lengths. Lengths are prompt token counts: measured with the tokenizer when there is one, else
 the length of the token-id prompt.
 """
@@ -14,6 +14,7 @@ from collections.abc import Callable
 from bench.datasets.base import BenchRequest, Dataset, Prompt, Session, Turn
 from bench.datasets.config import DATASET_NAMES, DatasetConfig
 from bench.datasets.multi_turn import Conversation, build_multi_turn
+from bench.datasets.multi_turn_ids import TokenConversation, build_multi_turn_ids
 from bench.datasets.random_dataset import build_random
 from bench.datasets.shared_prefix import build_shared_prefix
 from bench.tokenizer import BenchTokenizer
@@ -26,6 +27,7 @@ __all__ = [
     "DatasetConfig",
     "Prompt",
     "Session",
+    "TokenConversation",
     "Turn",
     "build_dataset",
 ]
@@ -34,6 +36,7 @@ _BUILDERS: dict[str, Callable[[DatasetConfig, BenchTokenizer | None], Dataset]] 
     "random": build_random,
     "shared-prefix": build_shared_prefix,
     "multi-turn": build_multi_turn,
+    "multi-turn-ids": build_multi_turn_ids,
 }
 
 

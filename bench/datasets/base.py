@@ -35,9 +35,13 @@ class BenchRequest:
 
 @dataclass(frozen=True)
 class Turn:
-    """One user turn of a session: the new user message, its length in tokens, the reply's."""
+    """One user turn of a session: the new user message, its length in tokens, the reply's.
 
-    user_message: str
+    A text message is sent inside the conversation's text; token ids (multi-turn-ids) inside its
+    token ids, with the replies as the token ids the server generated.
+    """
+
+    user_message: Prompt
     user_len: int
     output_len: int
 

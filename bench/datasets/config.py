@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-DATASET_NAMES = ("random", "shared-prefix", "multi-turn")
+DATASET_NAMES = ("random", "shared-prefix", "multi-turn", "multi-turn-ids")
 DEFAULT_NUM_PROMPTS = 1000
 
 
@@ -15,8 +15,9 @@ class DatasetConfig:
     """Which dataset to build and its sizes; the same config (seed included) builds the same prompts.
 
     `num_prompts` sizes the random dataset (default 1000). Shared-prefix sends
-    `gsp_num_groups * gsp_prompts_per_group` prompts and multi-turn `mt_num_sessions * mt_turns`;
-    a `num_prompts` given with them must equal that product.
+    `gsp_num_groups * gsp_prompts_per_group` prompts and multi-turn (and multi-turn-ids, the same
+    conversations sent as token ids) `mt_num_sessions * mt_turns`; a `num_prompts` given with them
+    must equal that product.
     """
 
     name: str = "random"
@@ -69,7 +70,7 @@ class DatasetConfig:
         """The request count that shared-prefix and multi-turn fix by their own options."""
         if self.name == "shared-prefix":
             return self.gsp_num_groups * self.gsp_prompts_per_group
-        if self.name == "multi-turn":
+        if self.name in ("multi-turn", "multi-turn-ids"):
             return self.mt_num_sessions * self.mt_turns
         return None
 

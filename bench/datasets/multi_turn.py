@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from bench.datasets.base import Dataset, Session, Turn
+from bench.datasets.base import Dataset, Prompt, Session, Turn
 from bench.datasets.config import DatasetConfig
 from bench.datasets.prompts import PromptFactory
 from bench.tokenizer import BenchTokenizer
@@ -23,17 +23,21 @@ def build_multi_turn(config: DatasetConfig, tokenizer: BenchTokenizer | None) ->
             "the multi-turn dataset sends the server's replies back as text, so it needs a tokenizer: "
             "pass --tokenizer PATH (a folder with tokenizer.json), or a local --model folder that has one"
         )
-    rng = random.Random(config.seed)
-    factory = PromptFactory(tokenizer, rng, config.vocab_size)
     sessions = []
-    for session_id in range(config.mt_num_sessions):
-        turns = []
-        for _ in range(config.mt_turns):
-            message, message_len = factory.prompt(config.mt_user_len)
-            assert isinstance(message, str)
-            turns.append(Turn(message, message_len, config.mt_output_len))
-        sessions.append(Session(session_id, tuple(turns)))
+    for session_id, messages in enumerate(user_messages(config, tokenizer)):
+        turns = tuple(Turn(message, length, config.mt_output_len) for message, length in messages)
+        sessions.append(Session(session_id, turns))
     return Dataset(config.name, sessions=tuple(sessions))
+
+
+def user_messages(config: DatasetConfig, tokenizer: BenchTokenizer | None) -> list[list[tuple[Prompt, int]]]:
+    """Per session, its `mt_turns` user messages of `mt_user_len` tokens and their measured lengths:
+    text with a tokenizer, else token ids; the same seed gives the same messages."""
+    factory = PromptFactory(tokenizer, random.Random(config.seed), config.vocab_size)
+    return [
+        [factory.prompt(config.mt_user_len) for _ in range(config.mt_turns)]
+        for _ in range(config.mt_num_sessions)
+    ]
 
 
 @dataclass

@@ -2,7 +2,8 @@
 deterministic reply, failures on demand, and a log of everything it received.
 
 The reply to a request is `max_tokens` words (` w<crc>_<i>`, the crc of the prompt), one
-content chunk each, then the usage chunk and `data: [DONE]`. `fail(body)` may return an HTTP
+content chunk each (completions name ids for them in logprobs when asked: `reply_token_ids`),
+then the usage chunk and `data: [DONE]`. `fail(body)` may return an HTTP
 status to answer with instead, `error_event(body)` may ask for an error event after the first
 two chunks, and `gate_in_flight=N` holds every request until N are in flight at once (or 10 s
 pass), which makes a concurrency cap observable without timing.
@@ -103,6 +104,8 @@ class FakeOpenAI:
                     return
                 finish = "length" if i == len(words) - 1 else None
                 piece = {"delta": {"content": word}} if chat else {"text": word}
+                if not chat and body.get("return_tokens_as_token_ids") and body.get("logprobs") is not None:
+                    piece["logprobs"] = {"tokens": [f"token_id:{reply_token_ids(body)[i]}"]}
                 yield _event({"choices": [{"index": 0, "finish_reason": finish, **piece}]})
                 received.reply += word
                 await asyncio.sleep(0)  # let other streams interleave
@@ -121,6 +124,13 @@ def reply_words(body: dict[str, Any]) -> list[str]:
     """The fake's reply to `body`: `max_tokens` words that depend on the prompt."""
     crc = zlib.crc32(json.dumps(body.get("prompt", body.get("messages")), sort_keys=True).encode())
     return [f" w{crc % 10_000}_{i}" for i in range(body["max_tokens"])]
+
+
+def reply_token_ids(body: dict[str, Any]) -> list[int]:
+    """The ids the fake names for its reply's words in completions logprobs, when the body asks
+    for `return_tokens_as_token_ids` with `logprobs`."""
+    crc = zlib.crc32(json.dumps(body["prompt"], sort_keys=True).encode())
+    return [3 + (crc + i) % 1000 for i in range(body["max_tokens"])]
 
 
 def prompt_tokens(body: dict[str, Any]) -> int:
