@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import ray
 
@@ -20,8 +21,8 @@ logger = logging.getLogger("splitserve.deploy")
 class HealthWatcher:
     """Every `interval_s` probes each actor (`health()`, then `stats()`), each call allowed
     `timeout_s`; an actor that is dead, fails a call or does not answer in time is killed and
-    started again in its own place, at most `max_restarts` times (then it is left down, "given
-    up"), and the gateway hears the new addresses. A probe's answers become the member's
+    started again in its own place, at most `max_restarts` times within `restart_window_s`
+    (then it is left down, "given up"), and the gateway hears the new addresses. A probe's answers become the member's
     `stats`. Restarts go stores first, then workers, then the gateway.
     """
 
@@ -81,12 +82,17 @@ class HealthWatcher:
     async def _restart(self, member: Member, reason: str) -> None:
         member.healthy, member.error = False, reason
         self._starter.kill(member)
-        if member.restarts >= self._config.max_restarts:
+        now_s, window_s = time.monotonic(), self._config.restart_window_s
+        if window_s > 0:
+            member.restart_times_s = [t for t in member.restart_times_s if now_s - t < window_s]
+        if len(member.restart_times_s) >= self._config.max_restarts:
             member.given_up = True
-            member.error = f"{reason}; gave up after {member.restarts} restarts"
+            within = f" within {window_s:g} s" if window_s > 0 else ""
+            member.error = f"{reason}; gave up after {len(member.restart_times_s)} restarts{within}"
             logger.error("%s %d is down for good: %s", member.kind, member.index, member.error)
             return
         member.restarts += 1
+        member.restart_times_s.append(now_s)
         logger.warning(
             "restarting %s %d (%s), restart %d", member.kind, member.index, reason, member.restarts
         )

@@ -27,8 +27,9 @@ class Member:
     address: str | None = None
     pid: int | None = None  # of the actor's process, once it started
     healthy: bool = False
-    restarts: int = 0
-    given_up: bool = False  # dead after max_restarts restarts; left down
+    restarts: int = 0  # since the deployment started
+    restart_times_s: list[float] = field(default_factory=list)  # time.monotonic() of the recent ones
+    given_up: bool = False  # dead after max_restarts restarts within the restart window; left down
     error: str | None = None
     stats: dict[str, Any] = field(default_factory=dict)
 

@@ -116,6 +116,21 @@ def test_a_worker_that_keeps_dying_is_given_up_after_max_restarts(registry):
         wait_until(lambda: events(registry, "update_workers")[-1][1] == [], what="the gateway to drop it")
 
 
+def test_restarts_older_than_the_window_no_longer_count(registry):
+    # a health pass takes 0.2 s, so the first restart is always older than 0.01 s at the second death
+    config = small_config(health={"max_restarts": 1, "restart_window_s": 0.01})
+    with run_cluster(config, actor_classes=FAKE_CLASSES) as cluster:
+        for restart in (1, 2):
+            old = kill_worker(cluster, registry, "prefill")
+            worker = wait_until(
+                lambda old=old: (
+                    (w := first_worker(cluster, "prefill"))["healthy"] and w["address"] != old and w
+                ),
+                what=f"restart {restart}",
+            )
+            assert worker["restarts"] == restart and not worker["given_up"]
+
+
 def test_resize_up_adds_a_placement_group_and_down_removes_it(cluster, registry):
     status = cluster.resize("prefill", 2)
     pool = status["pools"]["prefill"]
