@@ -7,7 +7,7 @@ to one loop). gRPC failures become `GatewayError`s with the status a client shou
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import grpc
@@ -60,11 +60,43 @@ def rpc_error(exc: grpc.aio.AioRpcError, rpc: str, address: str) -> GatewayError
 
 
 class WorkerClients:
-    """Owns the channels to every prefill and decode worker; safe to share across requests."""
+    """Owns the channels to every prefill and decode worker; safe to share across requests.
+
+    Counts the calls in flight on each channel, so `retain` can close the channels of workers
+    that left the pools (every restart or resize brings new addresses) once nothing uses them:
+    the registry stays as large as the deployment, not as its history.
+    """
 
     def __init__(self, rpc_timeout_s: float = 10.0) -> None:
         self.rpc_timeout_s = rpc_timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._num_calls: dict[str, int] = {}  # calls (streams included) in flight, by address
+
+    @property
+    def addresses(self) -> set[str]:
+        """Addresses with an open channel."""
+        return set(self._channels)
+
+    async def retain(self, keep: set[str]) -> int:
+        """Close the idle channels of addresses not in `keep`; returns how many were closed."""
+        gone = [a for a in self._channels if a not in keep and not self._num_calls.get(a)]
+        for address in gone:
+            self._num_calls.pop(address, None)
+            await self._channels.pop(address).close()
+        return len(gone)
+
+    def _begin(self, address: str) -> None:
+        self._num_calls[address] = self._num_calls.get(address, 0) + 1
+
+    def _end(self, address: str) -> None:
+        self._num_calls[address] = self._num_calls.get(address, 1) - 1
+
+    async def _unary(self, call: Awaitable[T], rpc: str, address: str) -> T:
+        self._begin(address)  # no await since the call was made: `retain` cannot have closed it
+        try:
+            return await _unary(call, rpc, address)
+        finally:
+            self._end(address)
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
@@ -81,39 +113,46 @@ class WorkerClients:
 
     async def reserve(self, address: str, request: decode_pb2.ReserveRequest) -> decode_pb2.ReserveResponse:
         call = self._decode(address).Reserve(request, timeout=self.rpc_timeout_s)
-        return await _unary(call, "Decode.Reserve", address)
+        return await self._unary(call, "Decode.Reserve", address)
 
     async def prefill(
         self, address: str, request: prefill_pb2.PrefillRequest, timeout_s: float
     ) -> prefill_pb2.PrefillResponse:
         call = self._prefill(address).Prefill(request, timeout=timeout_s)
-        return await _unary(call, "Prefill.Prefill", address)
+        return await self._unary(call, "Prefill.Prefill", address)
 
     def decode(self, address: str, request: decode_pb2.DecodeRequest, timeout_s: float) -> DecodeStream:
-        return DecodeStream(self._decode(address).Decode(request, timeout=timeout_s), address)
+        self._begin(address)
+        return DecodeStream(
+            self._decode(address).Decode(request, timeout=timeout_s),
+            address,
+            on_end=lambda: self._end(address),
+        )
 
     async def abort_decode(self, address: str, request_id: str) -> bool:
         request = decode_pb2.AbortDecodeRequest(request_id=request_id)
         call = self._decode(address).Abort(request, timeout=self.rpc_timeout_s)
-        return bool((await _unary(call, "Decode.Abort", address)).found)
+        return bool((await self._unary(call, "Decode.Abort", address)).found)
 
     async def abort_prefill(self, address: str, request_id: str) -> bool:
         request = prefill_pb2.AbortPrefillRequest(request_id=request_id)
         call = self._prefill(address).Abort(request, timeout=self.rpc_timeout_s)
-        return bool((await _unary(call, "Prefill.Abort", address)).found)
+        return bool((await self._unary(call, "Prefill.Abort", address)).found)
 
     async def decode_stats(self, address: str) -> decode_pb2.DecodeStats:
         call = self._decode(address).Stats(decode_pb2.DecodeStatsRequest(), timeout=self.rpc_timeout_s)
-        return await _unary(call, "Decode.Stats", address)
+        return await self._unary(call, "Decode.Stats", address)
 
     async def cache_report(self, address: str) -> prefill_pb2.PrefixCacheReport:
-        call = self._prefill(address).CacheReport(prefill_pb2.CacheReportRequest(), timeout=self.rpc_timeout_s)
-        return await _unary(call, "Prefill.CacheReport", address)
+        call = self._prefill(address).CacheReport(
+            prefill_pb2.CacheReportRequest(), timeout=self.rpc_timeout_s
+        )
+        return await self._unary(call, "Prefill.CacheReport", address)
 
     async def store_stats(self, address: str) -> store_pb2.StoreStats:
         stub = store_pb2_grpc.StateStoreStub(self._channel(address))
         call = stub.Stats(store_pb2.StatsRequest(), timeout=self.rpc_timeout_s)
-        return await _unary(call, "StateStore.Stats", address)
+        return await self._unary(call, "StateStore.Stats", address)
 
     async def close(self) -> None:
         channels, self._channels = self._channels, {}
@@ -132,17 +171,30 @@ async def _unary(call: Awaitable[T], rpc: str, address: str) -> T:
 class DecodeStream:
     """One Decode call's token stream; `cancel()` ends it from the gateway's side."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall, address: str) -> None:
+    def __init__(
+        self, call: grpc.aio.UnaryStreamCall, address: str, on_end: Callable[[], None] | None = None
+    ) -> None:
         self._call = call
         self.address = address
+        self._on_end = on_end  # called once, when the stream ended, failed or was cancelled
 
     async def read(self) -> decode_pb2.TokenDelta | None:
         """The next delta, or None when the worker ended the stream."""
         try:
             delta = await self._call.read()
         except grpc.aio.AioRpcError as exc:
+            self._ended()
             raise rpc_error(exc, "Decode.Decode", self.address) from exc
-        return None if delta is grpc.aio.EOF else delta
+        if delta is grpc.aio.EOF:
+            self._ended()
+            return None
+        return delta
 
     def cancel(self) -> None:
         self._call.cancel()
+        self._ended()
+
+    def _ended(self) -> None:
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            on_end()

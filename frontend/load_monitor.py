@@ -75,6 +75,8 @@ class LoadMonitor:
             *(self._refresh_decode(a) for a in decode), *map(self._refresh_store, self.store_addresses)
         )
         self._slots = {a: n for a, n in self._slots.items() if a in decode}
+        # channels to workers and stores that left (restarts and resizes bring new addresses)
+        await self.clients.retain({*self.router.prefill_addresses, *decode, *self.store_addresses})
         if self.on_capacity is not None:
             known = all(a in self._slots for a in decode)
             self.on_capacity(sum(self._slots.values()) if known and decode else None)
@@ -115,6 +117,7 @@ class LoadMonitor:
             stats = await self.clients.store_stats(address)
         except GatewayError as exc:
             logger.debug("StateStore.Stats on %s failed: %s", address, exc.message)
+            self.store_addresses.discard(address)  # watched again once a reservation names it
             return
         for tier in stats.tiers:
             self.metrics.set_store_usage(address, tier.name, tier.num_bytes, tier.capacity_bytes)
