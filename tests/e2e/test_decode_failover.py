@@ -15,14 +15,12 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import pytest
-import ray
 
 from deploy.launcher import run_cluster
 from splitserve import LLM, SamplingParams
@@ -63,13 +61,6 @@ def expected(model_path, prompts) -> dict[str, list[list[int]]]:
         results = llm.generate(prompt_token_ids=prompts, sampling_params=sps)
         out[name] = [r.outputs[0].token_ids for r in results]
     return out
-
-
-@pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _config(model_path, failover: bool):

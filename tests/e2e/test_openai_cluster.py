@@ -10,7 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-import ray
 
 from deploy.launcher import run_cluster
 from splitserve import LLM, SamplingParams
@@ -54,13 +53,6 @@ def oracle(model_path, workload) -> tuple[list[list[int]], list[GreedyTrace]]:
     """Four of the greedy requests' prompts and transformers' own greedy continuations of them."""
     prompts = workload[0][0:8:2]
     return prompts, hf_greedy(model_path, prompts, NUM_ORACLE_TOKENS)
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _config(model_path, mode: str):

@@ -11,7 +11,6 @@ import random
 
 import openai
 import pytest
-import ray
 
 from deploy.launcher import run_cluster
 from splitserve import LLM, SamplingParams
@@ -47,13 +46,6 @@ def offline(model_path, turns) -> dict[str, list[list[int]]]:
         sp = SamplingParams(ignore_eos=True, **params)
         out[name] = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=turns, sampling_params=sp)]
     return out
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _config(model_path, mode: str):
