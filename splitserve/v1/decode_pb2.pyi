@@ -38,7 +38,7 @@ class ReserveResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reject_reason: _Optional[str] = ..., store_address: _Optional[str] = ..., state_key: _Optional[str] = ..., state_owner: _Optional[str] = ..., expiry_unix_s: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "first_token_id", "first_logprobs", "state", "output_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "first_token_id", "first_logprobs", "state", "output_token_ids", "resume_from")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class DecodeRequest(_message.Message):
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
@@ -53,7 +54,16 @@ class DecodeRequest(_message.Message):
     first_logprobs: _common_pb2.TokenLogprobs
     state: _common_pb2.StateHandle
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.StateHandle, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    resume_from: ResumeFrom
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.StateHandle, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., resume_from: _Optional[_Union[ResumeFrom, _Mapping]] = ...) -> None: ...
+
+class ResumeFrom(_message.Message):
+    __slots__ = ("store_address", "state_key")
+    STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_KEY_FIELD_NUMBER: _ClassVar[int]
+    store_address: str
+    state_key: str
+    def __init__(self, store_address: _Optional[str] = ..., state_key: _Optional[str] = ...) -> None: ...
 
 class DecodeTiming(_message.Message):
     __slots__ = ("emit_unix_s", "state_wait_s", "queue_s")
@@ -66,7 +76,7 @@ class DecodeTiming(_message.Message):
     def __init__(self, emit_unix_s: _Optional[float] = ..., state_wait_s: _Optional[float] = ..., queue_s: _Optional[float] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
-    __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "stop_token_id", "num_generated_tokens", "timing")
+    __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "stop_token_id", "num_generated_tokens", "timing", "resume_from")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +84,7 @@ class TokenDelta(_message.Message):
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
@@ -81,7 +92,8 @@ class TokenDelta(_message.Message):
     stop_token_id: int
     num_generated_tokens: int
     timing: DecodeTiming
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., timing: _Optional[_Union[DecodeTiming, _Mapping]] = ...) -> None: ...
+    resume_from: ResumeFrom
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., timing: _Optional[_Union[DecodeTiming, _Mapping]] = ..., resume_from: _Optional[_Union[ResumeFrom, _Mapping]] = ...) -> None: ...
 
 class AbortDecodeRequest(_message.Message):
     __slots__ = ("request_id",)
