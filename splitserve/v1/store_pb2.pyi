@@ -170,18 +170,33 @@ class StoreStats(_message.Message):
     def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_keys: _Optional[int] = ..., num_hits: _Optional[int] = ..., num_misses: _Optional[int] = ..., num_prefix_hits: _Optional[int] = ..., num_spills: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_expiries: _Optional[int] = ..., num_releases: _Optional[int] = ..., num_corruptions: _Optional[int] = ..., num_prefix_lookups: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_prefix_evictions: _Optional[int] = ..., num_prefix_keys: _Optional[int] = ..., num_prefix_bytes: _Optional[int] = ...) -> None: ...
 
 class ArenaRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("regions",)
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    regions: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, regions: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ArenaInfo(_message.Message):
-    __slots__ = ("directory", "probe_name", "probe_token")
+    __slots__ = ("directory", "probe_name", "probe_token", "transfer_engine", "transfer_endpoint", "region_addresses")
+    class RegionAddressesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     PROBE_NAME_FIELD_NUMBER: _ClassVar[int]
     PROBE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ENGINE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    REGION_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     directory: str
     probe_name: str
     probe_token: bytes
-    def __init__(self, directory: _Optional[str] = ..., probe_name: _Optional[str] = ..., probe_token: _Optional[bytes] = ...) -> None: ...
+    transfer_engine: str
+    transfer_endpoint: str
+    region_addresses: _containers.ScalarMap[str, int]
+    def __init__(self, directory: _Optional[str] = ..., probe_name: _Optional[str] = ..., probe_token: _Optional[bytes] = ..., transfer_engine: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., region_addresses: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
     __slots__ = ("key", "owner", "lease_s", "layer", "kind", "num_bytes")

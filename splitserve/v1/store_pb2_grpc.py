@@ -137,7 +137,8 @@ class StateStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Arena(self, request, context):
-        """Where this store's shared-memory arena is, so a client can tell whether it shares the node.
+        """Where this store's shared-memory arena is, so a client can tell whether it shares the node,
+        and, when a transfer engine serves it to other nodes, that engine and where regions lie.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
