@@ -80,11 +80,13 @@ class ActorStarter:
         cfg = self._config.store
         assert store.node_id is not None  # a store always belongs to one node
         cls = self._actor_class("store")
+        # named only when set, so an actor class without the argument (a test's fake) still fits
+        engine = {} if cfg.transfer_engine == "none" else {"transfer_engine": cfg.transfer_engine}
         store.handle = cls.options(
             num_cpus=cfg.num_cpus,
             max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(store.node_id, soft=False),
-        ).remote(cfg.memory_bytes, cfg.disk.path, cfg.disk.bytes, cfg.lease_s)
+        ).remote(cfg.memory_bytes, cfg.disk.path, cfg.disk.bytes, cfg.lease_s, **engine)
         store.address = await self._started_at(store, self._node_ips.ip(store.node_id), port)
 
     async def start_worker(self, worker: Member) -> None:

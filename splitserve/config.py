@@ -188,6 +188,9 @@ class StoreConfig(_Section):
     disk: DiskConfig = DiskConfig()
     lease_s: float = Field(default=60, gt=0)
     num_cpus: float = Field(default=0.25, ge=0)
+    # Serves the store's shared-memory arena to readers on other nodes: "mooncake" (the
+    # `mooncake` extra, needs libibverbs) or "none" (they get the bytes over gRPC).
+    transfer_engine: Literal["none", "mooncake"] = "none"
 
 
 class PrefillPoolConfig(PoolConfig):

@@ -35,10 +35,11 @@ class StateStoreActor:
         disk_path: str | None = None,
         disk_bytes: int = 0,
         lease_s: float = StoreConfig.default_lease_s,
+        transfer_engine: str = StoreConfig.transfer_engine,
     ) -> None:
         if not disk_bytes:
             disk_path = None  # a disk tier of 0 bytes is no disk tier
-        self.config = StoreConfig(memory_bytes, disk_path, disk_bytes, lease_s)
+        self.config = StoreConfig(memory_bytes, disk_path, disk_bytes, lease_s, transfer_engine=transfer_engine)
         self._store = StateStore.from_config(self.config)
         self._server: StateStoreServer | None = None
 
@@ -101,6 +102,6 @@ def get_or_create_store_actor(
         options["lifetime"] = "detached"
     remote_class: Any = ray.remote(StateStoreActor)
     handle = remote_class.options(**options).remote(
-        config.memory_bytes, config.disk_path, config.disk_bytes, config.default_lease_s
+        config.memory_bytes, config.disk_path, config.disk_bytes, config.default_lease_s, config.transfer_engine
     )
     return handle, ray.get(handle.start.remote(host, port))

@@ -13,6 +13,10 @@ The directory is claimed like a disk tier's (`tier_directory`): the store holds 
 directory whose lock it can take, so the regions of a store that was SIGKILLed are reclaimed by
 the next store on the node. A writer that dies holding regions leaves them under its key, which
 its lease frees.
+
+With a transfer engine (`store.transfer_engine`, splitserve/state/transport.py) the arena also
+serves readers on other nodes: `serve_remote` starts the engine on the store's host, every mapped
+region is registered with it while mapped, and `addresses` tells a reader where a region lies.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from splitserve.state.errors import StoreFullError
+from splitserve.state.transport import TransportEndpoint, TransportServer, check_engine, open_server
 from state_store.tier_directory import ClaimedDirectory, reclaim_abandoned
 
 DEFAULT_ROOT = "/dev/shm/splitserve-arenas"
@@ -49,8 +54,12 @@ class Arena:
     """
 
     def __init__(
-        self, root: str | os.PathLike[str] = DEFAULT_ROOT, pool_bytes: int = DEFAULT_POOL_BYTES
+        self,
+        root: str | os.PathLike[str] = DEFAULT_ROOT,
+        pool_bytes: int = DEFAULT_POOL_BYTES,
+        transfer_engine: str = "none",
     ) -> None:
+        check_engine(transfer_engine)
         self.reclaimed_bytes = reclaim_abandoned(root)
         self._claim = ClaimedDirectory(root)
         self.directory = self._claim.path
@@ -61,13 +70,40 @@ class Arena:
         self._lock = threading.Lock()
         self._pool: list[Region] = []  # freed regions kept for reuse (their pages are resident)
         self._pooled_bytes = 0
+        self.transfer_engine = transfer_engine
+        self._transport: TransportServer | None = None
+        self._mapped: dict[str, memoryview] = {}  # every region mapped now (held or pooled)
+        self._addresses: dict[str, int] = {}  # those registered with the transport: their address
 
     @classmethod
-    def open_default(cls, root: str | None, pool_bytes: int = DEFAULT_POOL_BYTES) -> Arena | None:
+    def open_default(
+        cls, root: str | None, pool_bytes: int = DEFAULT_POOL_BYTES, transfer_engine: str = "none"
+    ) -> Arena | None:
         """An arena under `root`, or None when `root` is None or its filesystem is missing."""
         if root is None or not Path(root).parent.is_dir():
             return None
-        return cls(root, pool_bytes)
+        return cls(root, pool_bytes, transfer_engine)
+
+    def serve_remote(self, host: str) -> TransportEndpoint | None:
+        """Starts the arena's transfer engine on `host` (the address its readers reach) and
+        registers every region with it; its endpoint, or None when the engine is "none".
+        Idempotent. Raises ImportError naming the extra when the engine is not installed."""
+        with self._lock:
+            if self._transport is None and self.transfer_engine != "none":
+                self._transport = open_server(self.transfer_engine, host)
+                for name, view in self._mapped.items():
+                    self._addresses[name] = self._transport.register(view)
+            return None if self._transport is None else self._transport.endpoint
+
+    @property
+    def endpoint(self) -> TransportEndpoint | None:
+        """The transfer engine readers elsewhere pull regions with (None: not serving remote)."""
+        return None if self._transport is None else self._transport.endpoint
+
+    def addresses(self, names: list[str]) -> dict[str, int]:
+        """{name: address in this process} of those of `names` still mapped and registered."""
+        with self._lock:
+            return {name: self._addresses[name] for name in names if name in self._addresses}
 
     def allocate(self, num_bytes: int) -> Region:
         """A region of `num_bytes` (up to twice that if a freed one is reused; its `num_bytes`
@@ -94,7 +130,13 @@ class Arena:
             path.unlink(missing_ok=True)
             raise StoreFullError(f"no room for a {num_bytes}-byte region in {self.directory}: {e}") from None
         os.close(fd)
-        return Region(name, num_bytes, memoryview(mapped) if mapped is not None else memoryview(b""))
+        region = Region(name, num_bytes, memoryview(mapped) if mapped is not None else memoryview(b""))
+        if num_bytes:
+            with self._lock:
+                self._mapped[name] = region.view
+                if self._transport is not None:
+                    self._addresses[name] = self._transport.register(region.view)
+        return region
 
     def free(self, region: Region) -> None:
         """Keeps the region for reuse while the pool has room, else unlinks its file (mappings
@@ -105,6 +147,10 @@ class Arena:
                 self._pool.append(region)
                 self._pooled_bytes += region.num_bytes
                 return
+            self._mapped.pop(region.name, None)
+            address = self._addresses.pop(region.name, None)
+            if address is not None and self._transport is not None:
+                self._transport.unregister(address)  # before the mapping can go away
         (self.directory / region.name).unlink(missing_ok=True)
 
     @property
@@ -113,4 +159,8 @@ class Arena:
             return self._pooled_bytes
 
     def close(self) -> None:
+        with self._lock:
+            if self._transport is not None:
+                self._transport.close()
+            self._addresses.clear()
         self._claim.release()

@@ -23,6 +23,9 @@ class StoreConfig:
     # Retained prefixes (registered in the prefix index) may hold this much; least recently hit
     # go first. None: half of memory_bytes, so handoff state always has room beside them.
     prefix_budget_bytes: int | None = None
+    # Serves the arena to readers on other nodes ("mooncake", an optional extra; "none": they
+    # get the bytes over gRPC). Started by the server on its host (splitserve/state/transport.py).
+    transfer_engine: str = "none"
 
     def __post_init__(self) -> None:
         if self.memory_bytes < 0 or self.disk_bytes < 0:

@@ -52,6 +52,13 @@ class StateStoreServer:
             self._shut_loop()
             raise
         self.address = rpc.format_address(advertise_host or host, self.port)
+        if store.arena is not None:  # a transfer engine (if configured) listens where readers reach
+            try:
+                store.arena.serve_remote(advertise_host or host)
+            except BaseException:
+                self._on_loop(self._stop(0))
+                self._shut_loop()
+                raise
         self._stopping = threading.Event()
         self._reaper = threading.Thread(
             target=self._reap, args=(reap_interval_s,), name="state-store-reaper", daemon=True

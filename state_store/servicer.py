@@ -197,9 +197,14 @@ class StateStoreServicer(store_pb2_grpc.StateStoreServicer):
         arena = self.store.arena
         if arena is None:
             return store_pb2.ArenaInfo()
-        return store_pb2.ArenaInfo(
+        info = store_pb2.ArenaInfo(
             directory=str(arena.directory), probe_name=PROBE_NAME, probe_token=arena.probe_token
         )
+        endpoint = arena.endpoint
+        if endpoint is not None:  # a transfer engine serves the arena to other nodes
+            info.transfer_engine, info.transfer_endpoint = endpoint.engine, endpoint.address
+            info.region_addresses.update(arena.addresses(list(request.regions)))
+        return info
 
     async def Allocate(
         self, request: store_pb2.AllocateRequest, context: grpc.aio.ServicerContext

@@ -97,7 +97,7 @@ class StateStore(RegionWrites, PolledReads, PrefixCatalog):
             max_chunk_bytes=config.max_chunk_bytes,
             clock=clock,
             num_tombstones=config.num_tombstones,
-            arena=Arena.open_default(config.arena_root, config.arena_pool_bytes),
+            arena=Arena.open_default(config.arena_root, config.arena_pool_bytes, config.transfer_engine),
             prefix_budget_bytes=config.prefix_budget_bytes,
         )
 

@@ -15,6 +15,7 @@ from splitserve.state.records import NO_PREFIX_MATCH, KeyInfo, PrefixMatch, Rele
 from splitserve.state.shm import LocalArena, first_region_bytes
 from splitserve.state.status import error_from_rpc
 from splitserve.state.streams import ChunkStream, PutStream
+from splitserve.state.transport import RemoteRegions, TransportClient, TransportEndpoint
 from splitserve.state.wire import (
     KIND_TO_PROTO,
     chunk_to_proto,
@@ -58,6 +59,20 @@ class StateStoreClient:
             self._arena = LocalArena.probe(info.directory, info.probe_name, info.probe_token)
             self._arena_checked = True
         return self._arena
+
+    def remote_regions(self, transport: TransportClient) -> RemoteRegions | None:
+        """The store's arena as `transport` reads it from this node, or None when the store
+        serves it with no transfer engine or another one (then the bytes come over gRPC)."""
+        info = self._call(lambda: self._stub.Arena(store_pb2.ArenaRequest(), timeout=self.timeout_s))
+        if info.transfer_engine != transport.engine:
+            return None
+
+        def locate(regions: list[str]) -> dict[str, int]:
+            request = store_pb2.ArenaRequest(regions=regions)
+            reply = self._call(lambda: self._stub.Arena(request, timeout=self.timeout_s))
+            return dict(reply.region_addresses)
+
+        return RemoteRegions(transport, TransportEndpoint(info.transfer_engine, info.transfer_endpoint), locate)
 
     def allocate(
         self,
@@ -148,6 +163,7 @@ class StateStoreClient:
         timeout_s: float | None = None,
         wait_for_key: bool = False,
         shared_memory: bool | None = None,
+        transport: TransportClient | None = None,
     ) -> ChunkStream:
         """Streams `key`'s chunks as they land, until it is sealed; checksums are checked here too.
 
@@ -155,11 +171,15 @@ class StateStoreClient:
         the read with `StateTimeoutError` if the key is not sealed within `timeout_s`. The stream
         can be cancelled from another thread (`ChunkStream.cancel`). Chunks written through the
         store's arena come as read-only memoryviews of it (zero-copy) when `shared_memory` is
-        True, or None (the default) and the store shares this node; else as bytes.
+        True, or None (the default) and the store shares this node; else, given a `transport`
+        the store serves its arena with, pulled through it into buffers of this process; else as
+        bytes.
         """
-        arena = self.local_arena() if shared_memory is not False else None
+        arena: LocalArena | RemoteRegions | None = self.local_arena() if shared_memory is not False else None
         if shared_memory and arena is None:
             raise StateUnavailableError(f"the store at {self.address} has no arena this process can map")
+        if arena is None and transport is not None:
+            arena = self.remote_regions(transport)
         request = store_pb2.GetRequest(
             key=key,
             layers=list(layers or ()),

@@ -63,6 +63,10 @@ class LocalArena:
                 self._mapped_bytes -= dropped.nbytes
         return view
 
+    def read(self, region: str, offset: int, num_bytes: int) -> memoryview:
+        """The bytes of `region` at [offset, offset + num_bytes): a read-only view, no copy."""
+        return self.map(region)[offset : offset + num_bytes]
+
     def _map(self, region: str, writable: bool) -> memoryview:
         path = self.directory / region
         try:

@@ -20,6 +20,7 @@ from splitserve.state.chunk import DEFAULT_CHUNK_BYTES, Chunk, ChunkMeta, StateK
 from splitserve.state.errors import InvalidChunkError, StateTimeoutError
 from splitserve.state.shm import LocalArena, SlabWriter
 from splitserve.state.status import error_from_rpc
+from splitserve.state.transport import RemoteRegions
 from splitserve.state.wire import chunk_from_proto, chunk_to_proto, meta_from_proto, seal_message
 from splitserve.v1 import common_pb2, store_pb2_grpc
 
@@ -211,9 +212,10 @@ class ChunkStream:
     ends the RPC and the iteration quietly; other failures raise the store's errors.
 
     With an `arena` (the Get asked for regions), a chunk in the store's arena comes as a
-    read-only memoryview of its region: zero-copy, valid as long as it is referenced."""
+    read-only memoryview of its region: zero-copy, valid as long as it is referenced; or, read
+    from another node through a transfer engine (`RemoteRegions`), as a buffer of its own."""
 
-    def __init__(self, call: grpc.Call, arena: LocalArena | None = None) -> None:
+    def __init__(self, call: grpc.Call, arena: LocalArena | RemoteRegions | None = None) -> None:
         self._call = call
         self._arena = arena
         self.cancelled = False
@@ -223,8 +225,7 @@ class ChunkStream:
             for msg in self._call:  # type: ignore[attr-defined]
                 if msg.region and self._arena is not None:
                     meta = meta_from_proto(msg)
-                    start = msg.region_offset
-                    chunk = Chunk(meta, self._arena.map(msg.region)[start : start + meta.num_bytes])
+                    chunk = Chunk(meta, self._arena.read(msg.region, msg.region_offset, meta.num_bytes))
                 else:
                     chunk = chunk_from_proto(msg)
                 checksum.verify(chunk.data, chunk.meta.checksum, f"{chunk.meta.describe()} as received")
