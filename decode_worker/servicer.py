@@ -10,6 +10,8 @@ from collections.abc import Iterator
 
 import grpc
 
+from decode_worker.replay_publisher import ReplayStorePublisher
+from decode_worker.resume import KeptStreams
 from decode_worker.state_reader import StateReader
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import RequestUpdate
@@ -26,22 +28,45 @@ logger = logging.getLogger(__name__)
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    """Owns the reservations in flight (one StateReader each) and their lapse timers."""
+    """Owns the reservations in flight (one StateReader each) and their lapse timers.
+
+    With a `publisher` (ReplaySSM publishing on) a request's state stays in this node's store while
+    it decodes and a Decode with `resume_from` resumes from another worker's (decode_worker/resume.py)."""
 
     def __init__(
-        self, loop: EngineLoop, worker_id: str, store_address: str, state_timeout_s: float = 60.0
+        self,
+        loop: EngineLoop,
+        worker_id: str,
+        store_address: str,
+        state_timeout_s: float = 60.0,
+        publisher: ReplayStorePublisher | None = None,
     ) -> None:
         self.loop = loop
         self.worker_id = worker_id
         self.store_address = store_address
         self.store = StateStoreClient(store_address, timeout_s=10.0)
+        self._sources: dict[str, StateStoreClient] = {}  # other nodes' stores read from (one hop)
         self.state_timeout_s = state_timeout_s
         self._readers: dict[str, StateReader] = {}
         self._lock = threading.Lock()
+        self.kept = KeptStreams(loop, worker_id, self.store, publisher, state_timeout_s)
 
     def close(self) -> None:
-        """Close the channel to this node's store."""
+        """Close the channels to this node's store and the stores read from."""
         self.store.close()
+        with self._lock:
+            sources, self._sources = list(self._sources.values()), {}
+        for source in sources:
+            source.close()
+
+    def _source(self, address: str) -> StateStoreClient:
+        """The client of the store a reservation's state is written to (empty: this node's)."""
+        if not address or address == self.store_address:
+            return self.store
+        with self._lock:
+            if address not in self._sources:
+                self._sources[address] = StateStoreClient(address, timeout_s=10.0)
+            return self._sources[address]
 
     def Reserve(
         self, request: decode_pb2.ReserveRequest, context: grpc.ServicerContext
@@ -62,7 +87,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             return decode_pb2.ReserveResponse(accepted=False, reject_reason="the caller is gone")
         key = f"{self.worker_id}/{rid}"
         timeout_s = request.timeout_s or self.state_timeout_s
-        reader = StateReader(sink, self.store, rid, key, timeout_s, self._free_room)
+        source = self._source(request.source_store_address)
+        reader = StateReader(sink, source, rid, key, timeout_s, self._free_room)
         with self._lock:
             self._readers[rid] = reader
         lapse = threading.Timer(2 * timeout_s, self._lapse, args=(rid, reader))
@@ -70,7 +96,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         lapse.start()
         return decode_pb2.ReserveResponse(
             accepted=True,
-            store_address=self.store_address,
+            store_address=source.address,
             state_key=key,
             state_owner=self.worker_id,
             expiry_unix_s=time.time() + timeout_s,
@@ -80,6 +106,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self, request: decode_pb2.DecodeRequest, context: grpc.ServicerContext
     ) -> Iterator[decode_pb2.TokenDelta]:
         rid = request.request_id
+        if request.HasField("resume_from"):
+            yield from self.kept.resume(request, context)  # decode failover from stored state
+            return
         with self._lock:
             reader = self._readers.pop(rid, None)
         if reader is None and not request.HasField("state"):
@@ -115,10 +144,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         except (ValueError, KeyError) as exc:
             self._drop(rid, reader)
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        self._release(reader.key)
-        finished = threading.Event()
-        context.add_callback(lambda: None if finished.is_set() else self._abort_engine(rid))
-        yield from stream_deltas(rid, updates, finished.set, context, state_wait_s, 1 + len(earlier))
+        kept_in = self.kept.keep(rid, reader)  # with a publisher: kept until the stream ends
+        if kept_in is None:
+            self._release(reader)
+        yield from self.kept.stream(rid, updates, context, state_wait_s, 1 + len(earlier), kept_in)
 
     def _decode_whole(
         self, request: decode_pb2.DecodeRequest, context: grpc.ServicerContext
@@ -144,7 +173,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def _free_room(self, reader: StateReader) -> None:
         """The state will never arrive whole: free the room now; Decode still reports why."""
         self._abort_engine(reader.request_id)
-        self._release(reader.key)
+        self._release(reader)
 
     def _lapse(self, rid: str, reader: StateReader) -> None:
         """No Decode came for a reservation in time: give its room and its state back."""
@@ -158,13 +187,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def _drop(self, rid: str, reader: StateReader) -> None:
         reader.cancel()
         self._abort_engine(rid)
-        self._release(reader.key)
+        self._release(reader)
 
-    def _release(self, key: str) -> None:
+    def _release(self, reader: StateReader) -> None:
         try:
-            self.store.release(key)
+            reader.release()
         except StateStoreError as exc:
-            logger.warning("could not release state %s (%s); its lease will free it", key, exc)
+            logger.warning("could not release state %s (%s); its lease will free it", reader.key, exc)
 
     def _abort_engine(self, rid: str) -> None:
         self.loop.call(lambda e: e.abort_request(rid))

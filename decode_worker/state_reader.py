@@ -1,7 +1,9 @@
 """Pulls one reserved request's state from the store while the prefill is still writing it.
 
-Started when the decode worker accepts a reservation: one Get waits for the key's first put and
-streams each chunk as it lands (checksums verified), and this reader's own thread scatters every
+Started when the decode worker accepts a reservation: one Get on the store the prefill writes
+into (the prefill's own node's store: one hop; the arena when it shares this node, else streamed
+bytes) waits for the key's first put and streams each chunk as it lands (checksums verified),
+and this reader's own thread scatters every
 piece straight into the reserved room through the engine's `TransferSink` (each MLA chunk as
 it lands, each KDA state once whole). The engine thread takes no part until admission, so a busy
 decode worker adds no step per layer to a handoff. `wait` returns once the whole prompt's state
@@ -22,7 +24,8 @@ from splitserve.state.client import StateStoreClient
 
 class StateReader:
     """Owns one Get stream and its thread; its sink counts what landed (tokens per MLA layer,
-    KDA states), so MLA rows may arrive in any number of token ranges."""
+    KDA states), so MLA rows may arrive in any number of token ranges. `store` is the store read
+    (the one whose key `release` frees), which need not be this node's."""
 
     def __init__(
         self,
@@ -33,7 +36,7 @@ class StateReader:
         timeout_s: float,
         on_failure: Callable[[StateReader], None] | None = None,
     ) -> None:
-        self.sink, self.request_id, self.key = sink, request_id, key
+        self.sink, self.request_id, self.key, self.store = sink, request_id, key, store
         self.num_pieces = 0
         self.num_bytes = 0
         self.error: BaseException | None = None
@@ -57,6 +60,10 @@ class StateReader:
     def cancel(self) -> None:
         """Ends the Get from any thread; `wait` then raises."""
         self._stream.cancel()
+
+    def release(self) -> None:
+        """Frees the key in the store it was read from (raises `StateStoreError`)."""
+        self.store.release(self.key)
 
     def _pull(self) -> None:
         rid = self.request_id

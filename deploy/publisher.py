@@ -14,7 +14,9 @@ WorkerLists = tuple[list[str], list[str]]  # (prefill addresses, decode addresse
 
 
 class WorkerPublisher:
-    """Sends the gateway the healthy workers' addresses whenever they change.
+    """Sends the gateway the healthy workers' addresses, and each one's node store (so a
+    prefill's state is read where it was written, and decodes on its node are preferred),
+    whenever they change.
 
     Remembers what it last told which gateway actor, so a restarted gateway (a new handle) is
     told again even though the lists did not change. In colocated mode the one pool's list goes
@@ -28,6 +30,7 @@ class WorkerPublisher:
         self._timeout_s = timeout_s
         self._told: Any = None  # the gateway handle that heard `_lists`
         self._lists: WorkerLists | None = None
+        self._stores: dict[str, str] = {}  # worker address -> its node's store, as last told
 
     @property
     def published(self) -> WorkerLists | None:
@@ -48,11 +51,21 @@ class WorkerPublisher:
             lists = (both, list(both))
         else:
             lists = (pools["prefill"].healthy_addresses, pools["decode"].healthy_addresses)
-        if not force and lists == self.published:
+        stores = self._worker_stores()
+        if not force and lists == self.published and stores == self._stores:
             return
         try:
-            await call(gateway.handle.update_workers.remote(*lists), self._timeout_s)
+            await call(gateway.handle.update_workers.remote(*lists, stores=stores), self._timeout_s)
         except Exception as exc:  # the next health pass finds out what is wrong with the gateway
             logger.warning("update_workers failed: %s", cause(exc))
             return
-        self._told, self._lists = gateway.handle, lists
+        self._told, self._lists, self._stores = gateway.handle, lists, stores
+
+    def _worker_stores(self) -> dict[str, str]:
+        """Each healthy worker's address -> the address of the store on its node (when up)."""
+        stores = {}
+        for worker in self._roster.workers():
+            store = self._roster.stores.get(worker.node_id or "")
+            if worker.healthy and worker.address and store is not None and store.address:
+                stores[worker.address] = store.address
+        return stores

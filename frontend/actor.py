@@ -7,7 +7,7 @@ never torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from frontend.app import build_app
@@ -39,8 +39,16 @@ class GatewayActor:
         self._server = GatewayServer(self.app, host, port)
         return self._server.start()
 
-    def update_workers(self, prefill_addresses: Sequence[str], decode_addresses: Sequence[str]) -> None:
+    def update_workers(
+        self,
+        prefill_addresses: Sequence[str],
+        decode_addresses: Sequence[str],
+        stores: Mapping[str, str] | None = None,
+    ) -> None:
+        """The pools to route to; `stores` maps each worker's address to its node's store."""
         self.router.update_workers(list(prefill_addresses), list(decode_addresses))
+        if stores is not None:
+            self.router.update_stores(stores)
 
     def health(self) -> dict[str, Any]:
         num_prefill = len(self.router.prefill_addresses)

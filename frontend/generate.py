@@ -22,7 +22,7 @@ import anyio
 
 from frontend.clients import DecodeStream, WorkerClients
 from frontend.errors import GatewayError, over_capacity, unavailable
-from frontend.failover import DecodeFailover, WorkerLost, read_delta
+from frontend.failover import METHOD_REPREFILL, METHOD_STORED, DecodeFailover, WorkerLost, read_delta
 from frontend.metrics import GatewayMetrics
 from frontend.prefix_metrics import PrefixMetrics
 from frontend.router import Router
@@ -85,6 +85,8 @@ class Generation:
         self._stream: DecodeStream | None = None
         self._failover = DecodeFailover(pipeline.settings, pipeline.metrics)
         self._resumed: list[int] = []  # after a decode failover: the tokens received before it
+        self._resume_from: decode_pb2.ResumeFrom | None = None  # where the decode worker keeps our state
+        self.resume_method = METHOD_REPREFILL
         self._last_token_s = arrival_s
         self._transfer_s = 0.0
         self._released = False
@@ -103,10 +105,10 @@ class Generation:
     async def start(self) -> Step:
         """Reserve a decode slot, run the prefill; the first step (maybe already final)."""
         num_prompt_tokens = len(self.prompt_ids)
-        decode_candidates = self.p.router.rank_decode(
-            num_prompt_tokens, self.params.max_tokens or 0, self.prefix_hashes
-        )
         prefill_address = self.p.router.pick_prefill(num_prompt_tokens, self.prefix_hashes)
+        decode_candidates = self.p.router.rank_decode(
+            num_prompt_tokens, self.params.max_tokens or 0, self.prefix_hashes, near=prefill_address
+        )
         if not decode_candidates:
             raise unavailable("no decode workers are available; try again later")
         if prefill_address is None:
@@ -114,7 +116,7 @@ class Generation:
         # One token is all the prefill makes: no decode room to reserve, nor an Abort to free it.
         reservation = None
         if self.params.max_tokens != 1:
-            reservation = await self._reserve(decode_candidates)
+            reservation = await self._reserve(decode_candidates, self.p.router.store_of(prefill_address))
             if self._decode_address in self.p.router.prefill_addresses:
                 prefill_address = self._decode_address  # colocated: the engine holding the room prefills
         response = await self._prefill(prefill_address, reservation)
@@ -143,6 +145,12 @@ class Generation:
             delta = await read_delta(self._stream)
         except WorkerLost as lost:
             return await self._failover.recover(self, lost)
+        return await self._take(delta)
+
+    async def _take(self, delta: decode_pb2.TokenDelta) -> Step:
+        """One delta of the decode stream as a step (metrics observed, stop strings applied)."""
+        if delta.HasField("resume_from"):
+            self._resume_from = delta.resume_from
         now = time.monotonic()
         if delta.token_ids:
             gap_s = (now - self._last_token_s) / len(delta.token_ids)
@@ -174,7 +182,43 @@ class Generation:
             stream.cancel()
         await self._release_decode()  # a room an earlier failed attempt still holds
         self._resumed = list(self._output.received_ids)
+        where, self._resume_from = self._resume_from, None
+        lost = stream.address if stream is not None else None
+        if where is not None and (step := await self._resume_from_store(where, lost)) is not None:
+            self.resume_method = METHOD_STORED
+            return step
+        self.resume_method = METHOD_REPREFILL
         return await self.start()
+
+    async def _resume_from_store(self, where: decode_pb2.ResumeFrom, lost: str | None) -> Step | None:
+        """Decode failover from stored state (frontend.failover): a Decode with `resume_from` on
+        the first decode worker that answers; its first step, or None (counted) when the state
+        cannot be used, and the caller re-prefills."""
+        request = decode_pb2.DecodeRequest(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_ids,
+            sampling_params=sampling_params_to_proto(self.params),
+            output_token_ids=self._resumed,
+            resume_from=where,
+        )
+        num_tokens = len(self.prompt_ids) + len(self._resumed)
+        candidates = self.p.router.rank_decode(num_tokens, self.params.max_tokens or 0, self.prefix_hashes)
+        for address in [a for a in candidates if a != lost]:
+            self._decode_address = address
+            self._stream = self.p.clients.decode(address, request, self._remaining_s())
+            self.p.router.on_decode_reserved(address)
+            try:
+                delta = await read_delta(self._stream)
+            except WorkerLost:
+                await self._release_decode()
+                continue  # that worker is unreachable too: the next one
+            except GatewayError as exc:
+                logger.info("request %s: not resumed from stored state: %s", self.request_id, exc.message)
+                await self._release_decode()
+                break
+            return await self._take(delta)
+        self._failover.stored_state_failed()
+        return None
 
     async def release(self, error: bool = False) -> None:
         """Abort whatever this request still holds on any worker; idempotent, never raises."""
@@ -235,7 +279,10 @@ class Generation:
             self._decode_address, self._reserve_in_flight = address, call
             raise
 
-    async def _reserve(self, candidates: list[str]) -> decode_pb2.ReserveResponse:
+    async def _reserve(self, candidates: list[str], source_store: str = "") -> decode_pb2.ReserveResponse:
+        """Reserve room on the first candidate that grants it. The state goes to `source_store`
+        (the prefill worker's node store: it writes there, the decode reads from there, one hop);
+        "" leaves it to the decode worker's own store, as for a colocated worker."""
         request = decode_pb2.ReserveRequest(
             request_id=self.request_id,
             num_prompt_tokens=len(self.prompt_ids) + len(self._resumed),  # the state's tokens
@@ -246,6 +293,8 @@ class Generation:
         rejections: list[str] = []
         failures: list[str] = []
         for address in candidates:
+            colocated = address in self.p.router.prefill_addresses  # it prefills into its own store
+            request.source_store_address = "" if colocated else source_store
             try:
                 response = await self._reserve_on(address, request)
             except GatewayError as exc:

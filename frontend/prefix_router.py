@@ -15,7 +15,7 @@ class PrefixAwareRouter(LeastLoadRouter):
     prefix the index says it holds). So a worker holding the prefix wins until its queue
     outweighs the prefix; with no match anywhere this is least-load. Ties rotate.
 
-    Decode: as least-load, except that a colocated worker (one in both pools, where the decode
+    Decode: as least-load (a worker on the prefill's node first when its load allows), except that a colocated worker (one in both pools, where the decode
     choice also runs the prefill) with room is ranked by the same prefill cost first.
 
     Owns a `PrefixIndex` (bounded, approximate), fed by `on_prefix_sent` and the workers' cache
@@ -49,13 +49,17 @@ class PrefixAwareRouter(LeastLoadRouter):
             return min(self._prefill_rotation(), key=lambda a: self._cost(a, num_prompt_tokens, matched))
 
     def rank_decode(
-        self, num_prompt_tokens: int, max_tokens: int, prefix_hashes: Sequence[bytes] = ()
+        self,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        prefix_hashes: Sequence[bytes] = (),
+        near: str | None = None,
     ) -> list[str]:
         with self._lock:
             order = self._decode_rotation()
             colocated = [a for a in order if a in self._outstanding]
             if not prefix_hashes or not colocated:
-                return sorted(order, key=self._decode_key)
+                return self._near_first(sorted(order, key=self._decode_key), near)
             matched = self.index.match(prefix_hashes)
 
             def key(address: str) -> tuple[int, int, float]:

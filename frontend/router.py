@@ -11,13 +11,18 @@ from __future__ import annotations
 import itertools
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from frontend.prefix_index import CacheEvent
 
 RouterPolicy = Literal["prefix_aware", "least_load", "round_robin"]
+
+# A decode worker on the prefill's node goes first while its free share of room is at most this
+# far below the best candidate's: the state then never crosses nodes, and the cost is a little
+# imbalance. Past it the emptier worker wins (a full node must not hold its own prefills' decodes).
+SAME_NODE_MARGIN = 0.25
 
 
 @dataclass(frozen=True)
@@ -65,9 +70,21 @@ class Router(ABC):
 
     @abstractmethod
     def rank_decode(
-        self, num_prompt_tokens: int, max_tokens: int, prefix_hashes: Sequence[bytes] = ()
+        self,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        prefix_hashes: Sequence[bytes] = (),
+        near: str | None = None,
     ) -> list[str]:
-        """Decode workers to try for a reservation, best first."""
+        """Decode workers to try for a reservation, best first; `near` is the prefill worker
+        chosen (a decode worker on its node may be preferred: its state then stays on the node)."""
+
+    def update_stores(self, stores: Mapping[str, str]) -> None:  # noqa: B027
+        """Each worker's node store (worker address -> store address); unknown ones are ""."""
+
+    def store_of(self, address: str) -> str:
+        """The store on `address`'s node, "" when not known."""
+        return ""
 
     def on_prefill_start(self, address: str, num_prompt_tokens: int) -> None:  # noqa: B027
         """A prompt was sent to `address`."""
@@ -96,7 +113,9 @@ class LeastLoadRouter(Router):
     Decode room is the free share of the tighter resource (KV blocks or state slots) from the
     last Stats, lowered locally by one slot per accepted reservation until the next Stats.
     Workers that did not answer their last Stats go last; workers never measured go first
-    (optimistic, so a new replica gets traffic). Ties rotate round-robin.
+    (optimistic, so a new replica gets traffic). Ties rotate round-robin. Given the prefill
+    worker chosen (`near`) and the workers' node stores (`update_stores`), decode workers on the
+    prefill's node go first while their room is within SAME_NODE_MARGIN of the best's.
     """
 
     def __init__(self, prefill_addresses: Sequence[str] = (), decode_addresses: Sequence[str] = ()) -> None:
@@ -110,6 +129,7 @@ class LeastLoadRouter(Router):
         # workers, always break prefill ties the same way.
         self._prefill_tiebreak = itertools.count()
         self._decode_tiebreak = itertools.count()
+        self._stores: dict[str, str] = {}  # worker address -> its node's store address
         self.update_workers(prefill_addresses, decode_addresses)
 
     def update_workers(self, prefill_addresses: Sequence[str], decode_addresses: Sequence[str]) -> None:
@@ -135,10 +155,37 @@ class LeastLoadRouter(Router):
             return min(self._prefill_rotation(), key=lambda a: self._outstanding.get(a, 0))
 
     def rank_decode(
-        self, num_prompt_tokens: int, max_tokens: int, prefix_hashes: Sequence[bytes] = ()
+        self,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        prefix_hashes: Sequence[bytes] = (),
+        near: str | None = None,
     ) -> list[str]:
         with self._lock:
-            return sorted(self._decode_rotation(), key=self._decode_key)
+            return self._near_first(sorted(self._decode_rotation(), key=self._decode_key), near)
+
+    def update_stores(self, stores: Mapping[str, str]) -> None:
+        with self._lock:
+            self._stores = {a: s for a, s in stores.items() if s}
+
+    def store_of(self, address: str) -> str:
+        return self._stores.get(address, "")
+
+    def _near_first(self, ranked: list[str], near: str | None) -> list[str]:
+        """`ranked` with the decode workers on `near`'s node (the same store) moved ahead when
+        their load allows: room left and a free share within SAME_NODE_MARGIN of the first's.
+        No change when `near` is itself a decode worker (colocated: it runs its own prompt)."""
+        store = self._stores.get(near or "")
+        if not store or not ranked or near in self._decode:
+            return ranked
+        best = self._decode_key(ranked[0])
+
+        def allows(address: str) -> bool:
+            room, free = self._decode_key(address)
+            return room == 0 and best[0] == 0 and -free >= -best[1] - SAME_NODE_MARGIN
+
+        local = [a for a in ranked if self._stores.get(a) == store and allows(a)]
+        return local + [a for a in ranked if a not in local]
 
     def _prefill_rotation(self) -> list[str]:
         """The prefill pool, starting one further each call (how ties rotate)."""
@@ -200,10 +247,14 @@ class RoundRobinRouter(LeastLoadRouter):
             return self._prefill_rotation()[0] if self._prefill else None
 
     def rank_decode(
-        self, num_prompt_tokens: int, max_tokens: int, prefix_hashes: Sequence[bytes] = ()
+        self,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        prefix_hashes: Sequence[bytes] = (),
+        near: str | None = None,
     ) -> list[str]:
         with self._lock:
-            return self._decode_rotation()
+            return self._decode_rotation()  # no node preference either: the baseline
 
 
 def make_router(policy: RouterPolicy, prefix_unit: int) -> Router:

@@ -105,7 +105,9 @@ class FakeGateway(_Fake):
     def __init__(self, settings: FakeSettings) -> None:
         self.settings = settings
 
-    def update_workers(self, prefill_addresses: list[str], decode_addresses: list[str]) -> None:
+    def update_workers(
+        self, prefill_addresses: list[str], decode_addresses: list[str], stores: dict[str, str] | None = None
+    ) -> None:
         ray.get(_registry().record.remote("update_workers", list(prefill_addresses), list(decode_addresses)))
 
 
