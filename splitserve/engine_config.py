@@ -46,6 +46,15 @@ class EngineConfig:
     # ReplaySSM (engine/replay_ring.py): KDA decode reads a checkpoint + a ring of this many step
     # records and publishes them every window; 0: the plain recurrent path
     replay_window: int = 0
+    # CUDA graphs for decode steps (engine/cuda_graph.py): one graph per batch-size bucket, captured
+    # at start on a CUDA device; () picks 1, 2, 4, 8, 16, 24, ... up to max_num_seqs. A decode batch
+    # of b rows replays the smallest bucket >= b, padded with rows that touch only a scratch KV row
+    # and state slot. enforce_eager: never capture (every step runs eagerly, unpadded).
+    enforce_eager: bool = False
+    cuda_graph_batch_sizes: tuple[int, ...] = ()
+    # pad single-token rows to the bucket even when the step runs eagerly (the CPU tests of the
+    # padding path; costs compute): graphs always pad, this only forces it without them
+    pad_decode_batches: bool = False
 
     def __post_init__(self) -> None:
         positive = {
@@ -74,6 +83,10 @@ class EngineConfig:
             raise ValueError(f"replay_window must be 0 (off) or a number of steps (got {self.replay_window})")
         if self.snapshot_memory_bytes < 0:
             raise ValueError(f"snapshot_memory_bytes must be at least 0 (got {self.snapshot_memory_bytes})")
+        sizes = tuple(sorted({int(b) for b in self.cuda_graph_batch_sizes}))
+        if sizes and sizes[0] < 1:
+            raise ValueError(f"cuda_graph_batch_sizes must all be at least 1 (got {list(sizes)})")
+        object.__setattr__(self, "cuda_graph_batch_sizes", sizes)  # frozen: normalised once, here
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2 (got {self.max_model_len})")
 

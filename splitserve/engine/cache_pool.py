@@ -61,18 +61,22 @@ class SlotAllocator:
 
 
 def allocate_caches(
-    plan: CachePlan, config: KimiLinearModelConfig, device: torch.device | str
+    plan: CachePlan, config: KimiLinearModelConfig, device: torch.device | str, scratch: bool = False
 ) -> LayerCaches:
-    """One tensor per cache kind, viewed per layer, sized exactly by the plan."""
+    """One tensor per cache kind, viewed per layer, sized exactly by the plan.
+
+    `scratch`: one more KV block (id `plan.num_blocks`) and state slot (id `plan.num_slots`) than the
+    plan, which no allocator hands out: padding rows of a decode batch write there (cuda_graph_plan.py).
+    """
     mla_ids, kda_ids = config.mla_layer_ids, config.kda_layer_ids
-    rows = plan.num_blocks * plan.mla.block_size
+    extra = int(scratch)
+    rows = (plan.num_blocks + extra) * plan.mla.block_size
     # the specs name their dtypes as torch does ("bfloat16" is torch.bfloat16)
     kv_dtype, conv_dtype = getattr(torch, plan.mla.dtype), getattr(torch, plan.kda.conv_dtype)
     kv = torch.zeros(len(mla_ids), rows, plan.mla.entry_dim, dtype=kv_dtype, device=device)
-    conv = torch.zeros(len(kda_ids), plan.num_slots, *plan.kda.conv_shape, dtype=conv_dtype, device=device)
-    rec = torch.zeros(
-        len(kda_ids), plan.num_slots, *plan.kda.recurrent_shape, dtype=torch.float32, device=device
-    )
+    num_slots = plan.num_slots + extra
+    conv = torch.zeros(len(kda_ids), num_slots, *plan.kda.conv_shape, dtype=conv_dtype, device=device)
+    rec = torch.zeros(len(kda_ids), num_slots, *plan.kda.recurrent_shape, dtype=torch.float32, device=device)
     return LayerCaches(
         mla_kv={lid: kv[i] for i, lid in enumerate(mla_ids)},
         kda_conv={lid: conv[i] for i, lid in enumerate(kda_ids)},

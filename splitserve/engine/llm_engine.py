@@ -14,6 +14,7 @@ import torch
 from splitserve.engine.cache_budget import default_kv_cache_bytes
 from splitserve.engine.cache_pool import BlockAllocator, SlotAllocator, allocate_caches
 from splitserve.engine.cache_spec import CachePlan, context_len, plan_cache
+from splitserve.engine.cuda_graph_plan import plan_decode_padding
 from splitserve.engine.loader import load_model
 from splitserve.engine.model_config import KimiLinearModelConfig
 from splitserve.engine.model_runner import ModelRunner
@@ -71,7 +72,11 @@ class LLMEngine:
         context_len(mc, config)  # a max_model_len beyond the checkpoint's fails before the weights load
         self.model = load_model(mc, path, dtype, self.device)
         self.plan, self.max_model_len = self._plan_cache()
-        self.caches = allocate_caches(self.plan, mc, self.device)
+        # decode batches padded to a CUDA graph's bucket (None: as before) use a scratch block and slot
+        self.padding = plan_decode_padding(
+            config, self.model, self.device, self.plan.num_blocks, self.plan.num_slots
+        )
+        self.caches = allocate_caches(self.plan, mc, self.device, scratch=self.padding is not None)
         self.replay = replay_publisher(self.caches, config, self.device)  # None: plain KDA decode
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -83,7 +88,15 @@ class LLMEngine:
             *self._block_pool(),
         )
         self.sampler = Sampler(mc.vocab_size, mc.eos_token_ids, device=self.device, base_seed=config.seed)
-        self.runner = ModelRunner(self.model, self.caches, self.sampler, config.block_size, self.device)
+        self.runner = ModelRunner(
+            self.model,
+            self.caches,
+            self.sampler,
+            config.block_size,
+            self.device,
+            self.padding,
+            self.max_model_len,
+        )
         self.requests: dict[str, Request] = {}
         self._sinks: dict[str, TransferSink] = {}  # reserved requests' state, written from any thread
         self._arrivals = itertools.count()

@@ -7,8 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.engine.cuda_graph import DecodeGraphs
+from splitserve.engine.cuda_graph_plan import DecodePadding
 from splitserve.engine.forward_batch import ForwardBatch, TokenGroup
 from splitserve.engine.model.kimi_linear import KimiLinearForCausalLM, LayerCaches
+from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler, SamplingRow
 from splitserve.engine.scheduler import ScheduledRequest
 from splitserve.engine.state_transfer import extract_kda, extract_mla_rows, token_rows
@@ -23,7 +26,12 @@ class StepResult:
 
 
 class ModelRunner:
-    """Builds the flat batch (single-token rows first), runs the model, samples."""
+    """Builds the flat batch (single-token rows first), runs the model, samples.
+
+    With a `DecodePadding`, single-token rows are padded up to their batch-size bucket (rows on the
+    scratch KV row and state slot that sample nothing); with CUDA graphs, a step of single-token
+    rows only (no prefill chunk, no export) replays its bucket's graph instead of the eager forward.
+    """
 
     def __init__(
         self,
@@ -32,22 +40,45 @@ class ModelRunner:
         sampler: Sampler,
         block_size: int,
         device: torch.device,
+        padding: DecodePadding | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         self.model = model
         self.caches = caches
         self.sampler = sampler
         self.block_size = block_size
         self.device = device
+        self.padding = padding
+        self.graphs: DecodeGraphs | None = None
+        if padding is not None and padding.use_graphs:
+            if max_model_len is None:
+                raise ValueError("CUDA graphs need max_model_len: their KV index is that wide")
+            self.graphs = DecodeGraphs(model, caches, padding, block_size, max_model_len, device)
+            self.graphs.capture()
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> StepResult:
         singles = [s for s in scheduled if s.num_new_tokens == 1]
         multis = [s for s in scheduled if s.num_new_tokens > 1]
         ordered = singles + multis
-        batch = self.build_batch(singles, multis)
-        batch.after_layer = self._exporter([s for s in ordered if s.request.export is not None])
-        hidden = self.model(batch, self.caches)
         sampling = [s for s in ordered if s.samples]
+        exporting = [s for s in ordered if s.request.export is not None]
+        bucket = self.padding.bucket(len(singles)) if self.padding is not None and singles else None
+        if bucket is not None and self.graphs is not None and not multis and not exporting:
+            hidden = self.graphs.run([s.request for s in singles], bucket)
+            if len(sampling) < len(singles):  # a one-token prompt chunk that is not its prompt's last
+                rows = [i for i, s in enumerate(singles) if s.samples]
+                hidden = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        else:
+            num_padding = 0 if bucket is None else bucket - len(singles)
+            if num_padding and self.caches.replay is not None:
+                # padding rows share the scratch slot: restart its records so their count stays
+                # within the window (what they hold is never read by a request)
+                assert self.padding is not None
+                self.caches.replay.reset(self.padding.scratch_slot)
+            batch = self.build_batch(singles, multis, num_padding)
+            batch.after_layer = self._exporter(exporting)
+            hidden = self.model(batch, self.caches)
         if not sampling:
             return StepResult({}, {})
         logits = self.model.compute_logits(hidden)
@@ -106,31 +137,40 @@ class ModelRunner:
         batch.logits_indices = torch.arange(batch.num_tokens, device=self.device)
         return self.model.compute_logits(self.model(batch, self.caches))
 
-    def build_batch(self, singles: list[ScheduledRequest], multis: list[ScheduledRequest]) -> ForwardBatch:
+    def build_batch(
+        self, singles: list[ScheduledRequest], multis: list[ScheduledRequest], num_padding: int = 0
+    ) -> ForwardBatch:
+        """The flat batch: `singles`, then `num_padding` padding rows (token 0 at position 0 on the
+        scratch KV row and state slot; they sample nothing), then `multis`."""
         input_ids: list[int] = []
         slot_mapping: list[int] = []
         logits_indices: list[int] = []
         bs = self.block_size
-        for s in singles + multis:
-            req, start = s.request, s.request.num_computed_tokens
-            for pos in range(start, start + s.num_new_tokens):
-                input_ids.append(req.token_at(pos))
-                slot_mapping.append(req.block_table[pos // bs] * bs + pos % bs)
-            if s.samples:
+        rows = [_Row.of(s) for s in singles]
+        if num_padding:
+            assert self.padding is not None, "padding rows need the scratch row and slot"
+            pad = _Row(0, 1, [self.padding.scratch_block], self.padding.scratch_slot, None, False)
+            rows += [pad] * num_padding
+        multi_rows = [_Row.of(s) for s in multis]
+        for row in rows + multi_rows:
+            for pos in range(row.num_computed, row.num_computed + row.num_new):
+                input_ids.append(0 if row.request is None else row.request.token_at(pos))
+                slot_mapping.append(row.block_table[pos // bs] * bs + pos % bs)
+            if row.samples:
                 logits_indices.append(len(input_ids) - 1)
         dev = self.device
         return ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
-            single=self._group(singles, 0) if singles else None,
-            multi=self._group(multis, len(singles)) if multis else None,
+            single=self._group(rows, 0) if rows else None,
+            multi=self._group(multi_rows, len(rows)) if multi_rows else None,
         )
 
-    def _group(self, rows: list[ScheduledRequest], offset: int) -> TokenGroup:
+    def _group(self, rows: list[_Row], offset: int) -> TokenGroup:
         dev, bs = self.device, self.block_size
-        lengths = [s.num_new_tokens for s in rows]
-        computed = torch.tensor([s.request.num_computed_tokens for s in rows], dtype=torch.long)
+        lengths = [r.num_new for r in rows]
+        computed = torch.tensor([r.num_computed for r in rows], dtype=torch.long)
         max_len = max(lengths)
         starts = torch.tensor([0, *lengths[:-1]], dtype=torch.long).cumsum(0) + offset
         steps = torch.arange(max_len, dtype=torch.long)
@@ -141,18 +181,38 @@ class ModelRunner:
         max_ctx = int(ctx_lens.max())
         max_blocks = -(-max_ctx // bs)
         tables = torch.zeros(len(rows), max_blocks, dtype=torch.long)
-        for i, s in enumerate(rows):
-            table = s.request.block_table[:max_blocks]
+        for i, r in enumerate(rows):
+            table = r.block_table[:max_blocks]
             tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
         positions = torch.arange(max_ctx, dtype=torch.long)
         kv_index = tables[:, positions // bs] * bs + positions % bs
         query_pos = computed.unsqueeze(1) + steps  # absolute position of each new token
+        slot_ids = [r.slot for r in rows]
         return TokenGroup(
             token_index=token_index.to(dev),
             valid=valid.to(dev),
             lengths=lengths,
-            state_slots=torch.tensor([s.request.state_slot for s in rows], dtype=torch.long, device=dev),
+            state_slots=torch.tensor(slot_ids, dtype=torch.long, device=dev),
             kv_index=kv_index.to(dev),
             query_pos=query_pos.to(dev),
-            slot_ids=[s.request.state_slot or 0 for s in rows],  # never None: state_slots holds them too
+            slot_ids=slot_ids,
         )
+
+
+@dataclass
+class _Row:
+    """One row of a token group: a scheduled request's chunk, or a padding row (`request` None)."""
+
+    num_computed: int
+    num_new: int
+    block_table: list[int]
+    slot: int
+    request: Request | None
+    samples: bool
+
+    @classmethod
+    def of(cls, s: ScheduledRequest) -> _Row:
+        req = s.request
+        # never None for a scheduled row: the scheduler gives every running request a slot
+        slot = req.state_slot or 0
+        return cls(req.num_computed_tokens, s.num_new_tokens, req.block_table, slot, req, s.samples)
