@@ -5,7 +5,8 @@
 
 Prints three tables:
 * engine: prefill and decode tokens/s of the whole engine at each batch size (greedy, EOS
-  ignored), and decode against the memory-bandwidth bound: the bytes one decode step must read
+  ignored), decode eager and with CUDA graphs (a second engine; CUDA only), and the faster decode
+  against the memory-bandwidth bound: the bytes one decode step must read
   (weights, counting only the experts a batch of that size touches on average, plus the KV rows
   and KDA states of the batch) over the device's measured copy bandwidth;
 * kernels: paged MLA attention (Triton) and KDA (fla) against their torch references, same inputs,
@@ -18,16 +19,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from splitserve.engine.forward_batch import TokenGroup
+
+if TYPE_CHECKING:
+    from splitserve import LLM
 
 _KDA, _MLA = "linear_attention", "full_attention"
 # ~1.0B parameters (printed at run time): 12 layers, 9 KDA + 3 MLA, Kimi-Linear-48B's head shapes
@@ -131,7 +137,40 @@ def decode_step_bytes(model: torch.nn.Module, batch: int, context: int) -> int:
 
 
 def engine_rows(args: argparse.Namespace, path: Path, bandwidth: float) -> list[list[str]]:
-    from splitserve import LLM, SamplingParams
+    """Per batch size: prefill and decode tokens/s eager, decode with CUDA graphs (CUDA only), the bound."""
+    eager = engine_speeds(args, path, enforce_eager=True)
+    cuda = args.device.startswith("cuda")
+    graphed = engine_speeds(args, path, enforce_eager=False) if cuda else {}
+    rows = []
+    for batch in args.batch_sizes:
+        prefill_tps, decode_tps, step_bytes = eager[batch]
+        bound_tps = batch * bandwidth / step_bytes
+        best_tps = decode_tps
+        if batch in graphed:
+            graph_tps = graphed[batch][1]
+            best_tps = max(decode_tps, graph_tps)
+            graph_cells = [f"{graph_tps:,.0f}", f"{graph_tps / decode_tps:.2f}x"]
+        else:
+            graph_cells = ["n/a", ""] if cuda else ["n/a (needs CUDA)", ""]
+        rows.append(
+            [
+                str(batch),
+                f"{prefill_tps:,.0f}",
+                f"{decode_tps:,.0f}",
+                *graph_cells,
+                f"{bound_tps:,.0f}",
+                f"{100 * best_tps / bound_tps:.0f}%",
+            ]
+        )
+    return rows
+
+
+def engine_speeds(
+    args: argparse.Namespace, path: Path, enforce_eager: bool
+) -> dict[int, tuple[float, float, int]]:
+    """batch -> (prefill tok/s, decode tok/s, bytes a decode step reads) of one engine; with
+    `enforce_eager` False on CUDA its decode steps replay CUDA graphs (printed when they do not)."""
+    from splitserve import LLM
 
     llm = LLM(
         model=str(path),
@@ -140,12 +179,30 @@ def engine_rows(args: argparse.Namespace, path: Path, bandwidth: float) -> list[
         max_num_seqs=max(args.batch_sizes),
         max_num_batched_tokens=max(2048, args.prompt_len),
         max_model_len=args.prompt_len + args.decode_tokens + 16,
+        enforce_eager=enforce_eager,
+        cuda_graph_batch_sizes=tuple(args.batch_sizes),  # only the buckets measured: a shorter capture
     )
     model = llm.engine.model
-    num_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {num_params / 1e9:.3f}B parameters, {args.dtype}, device {args.device}")
+    if enforce_eager:
+        num_params = sum(p.numel() for p in model.parameters())
+        print(f"model: {num_params / 1e9:.3f}B parameters, {args.dtype}, device {args.device}")
+    elif llm.engine.runner.graphs is None:
+        print("CUDA graphs: refused or failed to capture (the log says why); the graphs column is eager")
+    speeds = measure_speeds(args, llm)
+    del llm, model  # the next engine's caches need this one's device memory back
+    gc.collect()
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return speeds
+
+
+def measure_speeds(args: argparse.Namespace, llm: LLM) -> dict[int, tuple[float, float, int]]:
+    """batch -> (prefill tok/s, decode tok/s, bytes a decode step reads) of `llm` (an `LLM`)."""
+    from splitserve import SamplingParams
+
+    model = llm.engine.model
     vocab = model.config.vocab_size
-    rows = []
+    speeds = {}
     for batch in args.batch_sizes:
         gen = torch.Generator().manual_seed(batch)
         prompts = torch.randint(3, vocab, (batch, args.prompt_len), generator=gen).tolist()
@@ -162,19 +219,13 @@ def engine_rows(args: argparse.Namespace, path: Path, bandwidth: float) -> list[
         prefill_s = run(1)
         total_s = run(1 + args.decode_tokens)
         decode_s = max(total_s - prefill_s, 1e-9)
-        decode_tps = batch * args.decode_tokens / decode_s
         context = args.prompt_len + args.decode_tokens // 2
-        bound_tps = batch * bandwidth / decode_step_bytes(model, batch, context)
-        rows.append(
-            [
-                str(batch),
-                f"{batch * args.prompt_len / prefill_s:,.0f}",
-                f"{decode_tps:,.0f}",
-                f"{bound_tps:,.0f}",
-                f"{100 * decode_tps / bound_tps:.0f}%",
-            ]
+        speeds[batch] = (
+            batch * args.prompt_len / prefill_s,
+            batch * args.decode_tokens / decode_s,
+            decode_step_bytes(model, batch, context),
         )
-    return rows
+    return speeds
 
 
 @contextlib.contextmanager
@@ -317,7 +368,15 @@ def main(argv: list[str] | None = None) -> int:
         engine = engine_rows(args, path, bandwidth)
     print_table(
         f"engine, prompt {args.prompt_len} tokens, {args.decode_tokens} decode steps",
-        ["batch", "prefill tok/s", "decode tok/s", "bandwidth bound tok/s", "of bound"],
+        [
+            "batch",
+            "prefill tok/s",
+            "decode tok/s",
+            "graphs tok/s",
+            "graphs/eager",
+            "bandwidth bound tok/s",
+            "of bound",
+        ],
         engine,
     )
     print_table(

@@ -4,9 +4,10 @@
 #      triton, flash-linear-attention), reusing a machine's preinstalled CUDA torch when it has one;
 #   2. runs the `gpu`-marked tests: the tiny model on CUDA gives the CPU's tokens, and each kernel
 #      (paged MLA in Triton, fla's KDA) matches its torch reference at real shapes;
-#   3. prints experiments/gpu_throughput.py's tables: prefill and decode tokens/s of a ~1B random
-#      kimi_linear in bf16 at batch 1/16/64, decode against the memory-bandwidth bound, and each
-#      kernel against the torch path.
+#   3. runs the decode CUDA graph test (graph replay == eager tokens, batch sizes 1..8);
+#   4. prints experiments/gpu_throughput.py's tables: prefill and decode tokens/s of a ~1B random
+#      kimi_linear in bf16 at batch 1/16/64, decode eager and with CUDA graphs, decode against the
+#      memory-bandwidth bound, and each kernel against the torch path.
 # Environment: SPLITSERVE_GPU_VENV (default ~/.cache/splitserve/venv-gpu), SPLITSERVE_GPU_NO_INSTALL=1
 # (use the active python as is, e.g. on a machine with no network), TORCH_INDEX_URL (a CUDA torch index).
 set -euo pipefail
@@ -62,7 +63,10 @@ PY
 
 echo "== gpu-marked tests ($(elapsed))"
 unset TRITON_INTERPRET
-timeout 300 python -m pytest -q -m gpu -p no:cacheprovider tests/engine
+timeout 300 python -m pytest -q -m gpu -p no:cacheprovider tests/engine --ignore=tests/engine/test_cuda_graph.py
+
+echo "== decode CUDA graphs: replay gives the eager tokens at batch sizes 1..8 ($(elapsed))"
+timeout 120 python -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_cuda_graph.py
 
 echo "== throughput ($(elapsed))"
 timeout 300 python -m experiments.gpu_throughput --device cuda

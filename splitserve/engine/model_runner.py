@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,6 +16,8 @@ from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler, SamplingRow
 from splitserve.engine.scheduler import ScheduledRequest
 from splitserve.engine.state_transfer import extract_kda, extract_mla_rows, token_rows
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,7 +57,13 @@ class ModelRunner:
             if max_model_len is None:
                 raise ValueError("CUDA graphs need max_model_len: their KV index is that wide")
             self.graphs = DecodeGraphs(model, caches, padding, block_size, max_model_len, device)
-            self.graphs.capture()
+            try:
+                self.graphs.capture()
+            except Exception:
+                # an op that cannot be captured (a kernel package's host sync, say) costs decode
+                # speed, not the engine: log it and run every step eagerly, unpadded, as before
+                logger.exception("capturing decode CUDA graphs failed; decode runs eagerly")
+                self.graphs, self.padding = None, None
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> StepResult:
