@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from splitserve.worker.actor_base import WorkerActorBase
 
 if TYPE_CHECKING:  # the engine side is imported where the actor runs, not where it is named
+    from decode_worker.replay_publisher import ReplayStorePublisher
     from splitserve.engine.prefix_store.publisher import PrefixPublisher
 
 
@@ -18,22 +20,37 @@ class DecodeWorkerActor(WorkerActorBase):
 
     role = "decode"
     prefix_publisher: PrefixPublisher | None = None  # with prefix caching on: set when started
+    replay_publisher: ReplayStorePublisher | None = None  # with decode.replay_window > 0: set when started
 
     def register_services(self) -> Callable[[grpc.Server], None]:
+        from decode_worker.replay_publisher import ReplayStorePublisher
         from decode_worker.servicer import DecodeServicer
         from splitserve.engine.prefix_store.publisher import PrefixPublisher
         from splitserve.v1 import decode_pb2_grpc
 
         if not self.store_address:
             raise ValueError("a decode worker needs the address of its node's state store")
-        servicer = self.servicer = DecodeServicer(self.loop, self.worker_id, self.store_address)
+        # each request's state stays in the store as it decodes: a failover resumes from it
+        self.replay_publisher = ReplayStorePublisher.attach(self.loop, self.worker_id, self.store_address)
+        servicer = self.servicer = DecodeServicer(
+            self.loop, self.worker_id, self.store_address, publisher=self.replay_publisher
+        )
         # a finished request's prompt + reply goes to the store: the conversation's next turn hits
         self.prefix_publisher = PrefixPublisher.attach(self.loop, self.worker_id, self.store_address)
         return lambda server: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
+
+    def stats(self) -> dict[str, Any]:
+        out = super().stats()
+        if self.replay_publisher is not None:  # what keeping state for failover costs
+            out["replay"] = dataclasses.asdict(self.replay_publisher.stats)
+        return out
 
     def shutdown(self, drain_timeout_s: float = 0.0) -> int:
         num_held = self._drain(drain_timeout_s) if drain_timeout_s > 0 else 0
         publisher, self.prefix_publisher = self.prefix_publisher, None
         if publisher is not None:
             publisher.detach(self.loop)
+        replay, self.replay_publisher = self.replay_publisher, None
+        if replay is not None:
+            replay.detach(self.loop)
         return num_held + super().shutdown(0.0)

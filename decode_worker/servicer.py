@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import grpc
 
 from decode_worker.replay_publisher import ReplayStorePublisher
-from decode_worker.resume import KeptStreams
+from decode_worker.resume import KeptStreams, reserve_room
 from decode_worker.state_reader import StateReader
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import RequestUpdate
@@ -71,13 +71,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def Reserve(
         self, request: decode_pb2.ReserveRequest, context: grpc.ServicerContext
     ) -> decode_pb2.ReserveResponse:
-        rid, n = request.request_id, request.num_prompt_tokens
-        try:
-            sink = self.loop.call(
-                lambda e: e.transfer_sink(rid) if e.reserve_transfer(rid, n) else None
-            ).result(timeout=30)
-        except ValueError as exc:
-            abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        rid = request.request_id
+        sink = reserve_room(self.loop, rid, request.num_prompt_tokens, context)
         if sink is None:
             return decode_pb2.ReserveResponse(
                 accepted=False, reject_reason="no free KV blocks or state slots"

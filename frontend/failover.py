@@ -3,14 +3,25 @@
 A decode stream is lost when its RPC breaks with UNAVAILABLE or CANCELLED from the server's
 side (the worker's process died or its server stopped; a worker that health checks find hung
 is killed and restarted by the controller, which breaks its streams the same way), or when the
-worker ends it without a finish reason. The gateway then routes the request again as if it
-were new (a reservation on a decode worker that answers, a prefill), except that the prefill
-runs prompt + every token the lost worker produced (`PrefillRequest.output_token_ids`) and
-samples the next one as output index len(those): greedy and seeded sampling, penalties,
-max_tokens and the detokenizer's state continue where the stream stopped, so the client sees
-no token repeated or missing. Tokens the lost worker made but never delivered are made again,
-the same ones. With the prefill pool empty (`prefill.fallback: decode_local`) the new decode
-worker computes prompt + those tokens itself, the same way.
+worker ends it without a finish reason. Two ways to go on, tried in this order:
+
+* From stored state (method `stored_state`): a worker that keeps the request's state in its
+  node's store as it decodes (`decode.replay_window` > 0) named where in the stream's first
+  delta (`TokenDelta.resume_from`). When a process dies its node's store survives, so the
+  gateway sends another decode worker a Decode with that `resume_from` and every token sent so
+  far; it rebuilds the state from the prompt state and the ReplaySSM pieces
+  (decode_worker/resume.py), recomputes only the tokens sent after the last piece, and streams
+  on. When that fails (the state is gone with its node, a piece is corrupt, no room) it counts
+  as `failed` with this method and the gateway re-prefills.
+* By re-prefill (method `reprefill`): the request is routed again as if it were new (a
+  reservation on a decode worker that answers, a prefill), except that the prefill runs prompt +
+  every token the lost worker produced (`PrefillRequest.output_token_ids`) and samples the next
+  one as output index len(those). With the prefill pool empty (`prefill.fallback:
+  decode_local`) the new decode worker computes prompt + those tokens itself, the same way.
+
+Either way greedy and seeded sampling, penalties, max_tokens and the detokenizer's state continue
+where the stream stopped, so the client sees no token repeated or missing. Tokens the lost worker
+made but never delivered are made again, the same ones.
 
 Bounded: at most `max_decode_failovers` per request, with a short backoff when no decode
 worker could take the request. With `decode_failover` off the stream ends with a 503 (an SSE
@@ -36,6 +47,7 @@ from splitserve.v1 import decode_pb2
 logger = logging.getLogger(__name__)
 
 METHOD_REPREFILL = "reprefill"  # prompt + tokens sent, prefilled again
+METHOD_STORED = "stored_state"  # rebuilt from the lost worker's stored prompt state + ReplaySSM pieces
 _LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 _BACKOFF_S = 0.25  # first wait before trying again when no decode worker took the request
 
@@ -65,9 +77,10 @@ class Resumable(Protocol):
     """What failover needs of a generation (frontend.generate.Generation)."""
 
     request_id: str
+    resume_method: str  # how the last `resume_elsewhere` went on: METHOD_STORED or METHOD_REPREFILL
 
     async def resume_elsewhere(self) -> Step:
-        """Drop the lost stream, route again, prefill prompt + every token received; the next step."""
+        """Drop the lost stream and go on elsewhere (from stored state, else by re-prefill); the next step."""
         ...
 
 
@@ -120,9 +133,13 @@ class DecodeFailover:
                 why = f"{lost.message}; then {exc.message}"
                 await asyncio.sleep(_BACKOFF_S * 2 ** (self.num_attempts - 1))
                 continue
-            self._count("resumed")
+            self._count("resumed", gen.resume_method)
             return step
 
-    def _count(self, outcome: str) -> None:
+    def stored_state_failed(self) -> None:
+        """A resume from stored state did not work out (the generation re-prefills instead)."""
+        self._count("failed", METHOD_STORED)
+
+    def _count(self, outcome: str, method: str = METHOD_REPREFILL) -> None:
         metrics = self._metrics
-        metrics.decode_failovers.labels(metrics.model_name, outcome, METHOD_REPREFILL).inc()
+        metrics.decode_failovers.labels(metrics.model_name, outcome, method).inc()

@@ -86,7 +86,8 @@ class GatewayMetrics:
         self.decode_failovers = counter(
             "splitserve_decode_failovers",
             "Streams whose decode worker was lost, by outcome (resumed, failed, disabled, exhausted) "
-            "and method (reprefill: prompt + tokens sent prefilled again)",
+            "and method (stored_state: rebuilt from the lost worker's stored state; reprefill: prompt + "
+            "tokens sent prefilled again)",
             "outcome",
             "method",
         )

@@ -60,7 +60,10 @@ class ReplayPublish:
         return sum(p.num_bytes for p in self.kda) + sum(s.num_bytes for s in self.mla)
 
 
-ReplayListener = Callable[[ReplayPublish], None]
+# Returns False when it could not take the publish (its queue is full): the next publish of that
+# request then starts where the last one it took ended, as a checkpoint (it cannot extend records
+# the listener never kept), so the pieces it keeps still chain without a gap.
+ReplayListener = Callable[[ReplayPublish], "bool | None"]
 
 
 class ReplayPublisher:
@@ -84,7 +87,9 @@ class ReplayPublisher:
             if req.finished or req.prefill_only:
                 self._published_to.pop(req.request_id, None)
             elif folded and req.state_slot in folded and self.listener is not None:
-                self.listener(self._publish(req))
+                publish = self._publish(req)
+                if self.listener(publish) is not False:
+                    self._published_to[req.request_id] = (req.arrival, publish.num_tokens)
 
     def _records_are_smaller(self) -> bool:
         """Whether a window's records (`L x H x (2 Dk + Dv)`) cost no more than its checkpoint
@@ -109,7 +114,6 @@ class ReplayPublisher:
             kda.append(piece)
         rows = token_rows(req.block_table, end, self.block_size, start)
         mla = [extract_mla_rows(self.caches, lid, rows, start, end) for lid in self.caches.mla_kv]
-        self._published_to[req.request_id] = (req.arrival, end)
         return ReplayPublish(req.request_id, start, end, kda, mla)
 
 

@@ -1,0 +1,200 @@
+"""Decode failover from stored state, the workers' side over real gRPC: a decode worker with
+`replay_window` keeps the request's prompt state and publishes a ReplaySSM piece every window to
+its node's store; when it is lost mid-stream (its process gone: nothing released), another decode
+worker given `resume_from` rebuilds the state from the store, recomputes fewer than a window of
+the tokens sent, and continues with exactly the offline engine's tokens (greedy and seeded). A
+corrupt piece answers DATA_LOSS and a released state NOT_FOUND (the gateway then re-prefills);
+a request that ends normally leaves nothing in the store."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from decode_worker.actor import DecodeWorkerActor
+from decode_worker.stored_resume import read_stored_state
+from prefill_worker.actor import PrefillWorkerActor
+from splitserve import LLM, SamplingParams
+from splitserve.engine.replay_codec import piece_key
+from splitserve.rpc import make_channel
+from splitserve.state import Chunk, ChunkMeta, StateKind, checksum
+from splitserve.state.client import StateStoreClient
+from splitserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from splitserve.wire import FINISH_FROM_PROTO, decode_request, prefill_request, sampling_params_to_proto
+
+WINDOW = 4
+PROMPT = list(range(11, 80))
+NUM_TOKENS = 24
+LOST: set[str] = set()  # request ids whose worker a is "dead"
+NUM_BEFORE_LOSS = 11  # tokens the lost worker sent: 2 pieces (8 tokens) stored, 3 sent after
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=33, max_tokens=NUM_TOKENS, ignore_eos=True)
+PARAMS = {"greedy": GREEDY, "seeded": SEEDED}
+
+
+@pytest.fixture(scope="module")
+def offline(engine_config) -> dict[str, list[int]]:
+    """The uninterrupted run's tokens, from the offline engine (both kinds in one batch)."""
+    outputs = LLM(model=engine_config.model, max_model_len=512).generate(
+        prompt_token_ids=[PROMPT, PROMPT], sampling_params=[GREEDY, SEEDED]
+    )
+    return {"greedy": outputs[0].outputs[0].token_ids, "seeded": outputs[1].outputs[0].token_ids}
+
+
+@pytest.fixture(scope="module")
+def workers(engine_config, store_server) -> Iterator[dict[str, DecodeWorkerActor | PrefillWorkerActor]]:
+    """A prefill worker and two decode workers publishing every WINDOW tokens, one store."""
+    _, store_address = store_server
+    replay = engine_config.replace(replay_window=WINDOW)
+    workers = {
+        "prefill": PrefillWorkerActor(engine_config, store_address),
+        "a": DecodeWorkerActor(replay, store_address),
+        "b": DecodeWorkerActor(replay, store_address),
+    }
+    for name, worker in workers.items():
+        worker.worker_id = f"{name}-worker"  # one process: the default ids (host, pid) would be equal
+        worker.start("127.0.0.1", 0)
+    # A dead process releases nothing: worker a's publisher does not hear of the end of a stream
+    # this test lost on purpose (until `_end_on_a`, which does what the leases would).
+    publisher = workers["a"].replay_publisher
+    assert publisher is not None
+    ended = publisher.end
+    publisher.end = lambda rid: None if rid in LOST else ended(rid)  # type: ignore[method-assign]
+    yield workers
+    for worker in workers.values():
+        worker.shutdown()
+
+
+def _store(store_server) -> StateStoreClient:
+    return StateStoreClient(store_server[1], timeout_s=10)
+
+
+def _lose_after(
+    workers, rid: str, params: SamplingParams, num_sent: int
+) -> tuple[list[int], decode_pb2.ResumeFrom]:
+    """Decode `rid` on worker a until `num_sent` tokens came, then lose a as a dead process would
+    (its stream broken, nothing it keeps released); (tokens sent, where a kept the state)."""
+    a = workers["a"]
+    sp = sampling_params_to_proto(params)
+    with make_channel(workers["prefill"].address) as pc, make_channel(a.address) as dc:
+        decode = decode_pb2_grpc.DecodeStub(dc)
+        reserved = decode.Reserve(
+            decode_pb2.ReserveRequest(request_id=rid, num_prompt_tokens=len(PROMPT), timeout_s=30), timeout=30
+        )
+        assert reserved.accepted, reserved.reject_reason
+        first = prefill_pb2_grpc.PrefillStub(pc).Prefill(
+            prefill_request(rid, PROMPT, sp, reserved), timeout=60
+        )
+        sent = [first.first_token_id]
+        stream = decode.Decode(decode_request(rid, PROMPT, sp, first), timeout=60)
+        where = None
+        for delta in stream:
+            if delta.HasField("resume_from"):
+                where = delta.resume_from
+            sent += delta.token_ids
+            if len(sent) >= num_sent:
+                break
+        assert where is not None and where.state_key == reserved.state_key, (
+            "no resume_from on the first delta"
+        )
+        assert a.replay_publisher is not None and a.replay_publisher.wait_idle(30)
+        LOST.add(rid)
+        stream.cancel()
+    return sent[:num_sent], where
+
+
+def _resume_on_b(
+    workers, rid: str, params: SamplingParams, sent: list[int], where
+) -> list[decode_pb2.TokenDelta]:
+    request = decode_pb2.DecodeRequest(
+        request_id=rid,
+        prompt_token_ids=PROMPT,
+        sampling_params=sampling_params_to_proto(params),
+        output_token_ids=sent,
+        resume_from=where,
+    )
+    with make_channel(workers["b"].address) as channel:
+        return list(decode_pb2_grpc.DecodeStub(channel).Decode(request, timeout=60))
+
+
+@pytest.mark.parametrize("kind", sorted(PARAMS))
+def test_a_lost_decode_resumes_from_stored_state_exactly(workers, store_server, offline, kind):
+    rid = f"stored-{kind}"
+    sent, where = _lose_after(workers, rid, PARAMS[kind], NUM_BEFORE_LOSS)
+    assert sent == offline[kind][: len(sent)]
+    with _store(store_server) as client:  # what b will find: the pieces reach within a window
+        found = read_stored_state(client, where.state_key, rid, len(PROMPT), len(sent), 10)
+        assert found.num_pieces >= 2
+        assert len(PROMPT) + len(sent) - WINDOW <= found.num_tokens < len(PROMPT) + len(sent)
+    deltas = _resume_on_b(workers, rid, PARAMS[kind], sent, where)
+    assert sent + [t for d in deltas for t in d.token_ids] == offline[kind]
+    assert FINISH_FROM_PROTO[deltas[-1].finish_reason] == "length"
+    assert deltas[-1].num_generated_tokens == NUM_TOKENS
+    assert deltas[0].resume_from.state_key == f"{workers['b'].worker_id}/{rid}"  # b keeps it now
+    _end_on_a(workers, rid)  # pieces a wrote after b looked (it decoded on until the cancel)
+    _assert_store_empty(workers, store_server)
+
+
+def test_a_corrupt_piece_is_data_loss(workers, store_server, offline):
+    """A copy of a lost request's prompt state under a key of the test's, then a piece that does
+    not decode into one (a conv state alone): the resume fails with DATA_LOSS."""
+    rid = "stored-corrupt"
+    sent, where = _lose_after(workers, rid, PARAMS["greedy"], NUM_BEFORE_LOSS)
+    copy = f"test/{rid}"
+    with _store(store_server) as client:
+        prompt = [
+            Chunk(dataclasses.replace(c.meta, key=copy), bytes(c.data))
+            for c in client.get(where.state_key, timeout_s=10)
+        ]
+        client.put(prompt, owner="test", seal=True)
+        data = b"\0" * 64
+        key = piece_key(copy, len(PROMPT))
+        span = (len(PROMPT), len(PROMPT) + WINDOW)
+        meta = ChunkMeta(key, 0, StateKind.KDA_CONV, "uint8", (64,), *span, checksum.compute(data))
+        client.put([Chunk(meta, data)], owner="test", seal=True)
+        with pytest.raises(grpc.RpcError) as failed:
+            _resume_on_b(
+                workers,
+                rid,
+                PARAMS["greedy"],
+                sent,
+                decode_pb2.ResumeFrom(store_address=where.store_address, state_key=copy),
+            )
+        assert failed.value.code() is grpc.StatusCode.DATA_LOSS, failed.value.details()
+        client.release(owner="test")
+    _end_on_a(workers, rid)
+    _assert_store_empty(workers, store_server)
+
+
+def test_a_released_state_is_not_found(workers, store_server):
+    rid = "stored-gone"
+    sent, where = _lose_after(workers, rid, PARAMS["greedy"], 3)
+    with _store(store_server) as client:
+        client.release(where.state_key)
+    with pytest.raises(grpc.RpcError) as failed:
+        _resume_on_b(workers, rid, PARAMS["greedy"], sent, where)
+    assert failed.value.code() is grpc.StatusCode.NOT_FOUND, failed.value.details()
+    _end_on_a(workers, rid)
+    _assert_store_empty(workers, store_server)
+
+
+def _end_on_a(workers, rid: str) -> None:
+    """What the leases would do in time: the keys worker a kept for `rid` go."""
+    LOST.discard(rid)
+    workers["a"].replay_publisher.end(rid)
+
+
+def _assert_store_empty(workers, store_server) -> None:
+    """Every key a request held is released once it ended (the lost worker's by the resumer)."""
+    for name in ("a", "b"):
+        publisher = workers[name].replay_publisher
+        assert publisher is not None and publisher.wait_idle(30)
+    store, _ = store_server
+    deadline_s = time.monotonic() + 10
+    while (left := store.stats().num_keys - store.stats().num_prefix_keys) and time.monotonic() < deadline_s:
+        time.sleep(0.05)
+    assert left == 0, f"{left} keys left in the store"
