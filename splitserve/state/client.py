@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -49,14 +50,19 @@ class StateStoreClient:
         self._channel = rpc.make_channel(address, max_message_bytes)
         self._stub = store_pb2_grpc.StateStoreStub(self._channel)
         self._arena: LocalArena | None = None
+        self._arena_probe: Path | None = None  # the probe file of the arena last found
         self._arena_checked = False
 
     def local_arena(self) -> LocalArena | None:
         """The store's shared-memory arena if this process shares its node (asked once, then
-        remembered), else None: then state moves as bytes over gRPC."""
+        remembered while its probe file stands), else None: then state moves as bytes over gRPC.
+        A store restarted at the same address has a new arena (the old one's files are gone)."""
+        if self._arena_checked and self._arena_probe is not None and not self._arena_probe.exists():
+            self._arena_checked = False
         if not self._arena_checked:
             info = self._call(lambda: self._stub.Arena(store_pb2.ArenaRequest(), timeout=self.timeout_s))
             self._arena = LocalArena.probe(info.directory, info.probe_name, info.probe_token)
+            self._arena_probe = Path(info.directory) / info.probe_name if self._arena is not None else None
             self._arena_checked = True
         return self._arena
 

@@ -1,15 +1,22 @@
 """Real workers on two Ray nodes (two raylets on this machine): prefill on one node, decode on
 the other, each beside its own node's store, so the prefilled state crosses nodes. Through the
-real gateway and the official openai client, the tokens equal the offline engine's; afterwards
-every worker is idle and both stores are empty."""
+real gateway and the official openai client, the tokens equal the offline engine's, and the
+state took one hop: the prefill wrote into its own node's store and the decode read it from
+there (its own node's store served no read). Afterwards every worker is idle and both stores are
+empty. Killing the prefill node's store while a request's state is on its way fails that request
+closed (503), no hang, and the deployment serves again once the store is back."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import ray
 from ray.cluster_utils import Cluster
@@ -17,9 +24,12 @@ from ray.cluster_utils import Cluster
 from deploy.launcher import ClusterHandle, run_cluster
 from splitserve import LLM, SamplingParams
 from splitserve.config import parse_config
+from splitserve.state.client import StateStoreClient
 from splitserve.tiny_model import make_tiny_model
+from state_store.faults import ENV_VAR
 from tests.deploy.conftest import two_node_cluster
 from tests.e2e.helpers import assert_idle, complete, openai_client
+from tests.faults.conftest import FaultFile, wait_for
 
 NUM_CPUS_PER_NODE = 2
 # Every node has 2 CPUs and each worker reserves 1.5: whichever node the first worker takes, the
@@ -40,9 +50,19 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two_nodes() -> Iterator[Cluster]:
-    with two_node_cluster(NUM_CPUS_PER_NODE) as cluster:
-        yield cluster
+def faults(tmp_path_factory: pytest.TempPathFactory) -> FaultFile:
+    """The stores' fault hook (state_store/faults.py): disarmed until a test arms it."""
+    path = tmp_path_factory.mktemp("multinode-faults") / "faults.json"
+    path.write_text(json.dumps({}))
+    return FaultFile(path)
+
+
+@pytest.fixture(scope="module")
+def two_nodes(faults: FaultFile) -> Iterator[Cluster]:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(ENV_VAR, str(faults.path))  # before the raylets start: every store inherits it
+        with two_node_cluster(NUM_CPUS_PER_NODE) as cluster:
+            yield cluster
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +113,50 @@ def test_tokens_through_the_gateway_equal_the_offline_engine(served, model_path)
 
 def test_every_worker_is_idle_and_both_stores_empty_afterwards(served):
     assert_idle(served)
+
+
+def _store_of_node(cluster: ClusterHandle, node_id: str) -> dict[str, Any]:
+    (row,) = [store for store in cluster.status()["stores"] if store["node_id"] == node_id]
+    return row  # type: ignore[no-any-return]
+
+
+def _releases(address: str) -> int:
+    """Keys the store freed on Release: the decode releases a request's state where it read it."""
+    with StateStoreClient(address) as store:
+        return store.stats().num_releases
+
+
+def test_the_state_took_one_hop_from_the_prefill_node_store(served, two_nodes):
+    prefill_store = _store_of_node(served, _node_of_worker(served, "prefill"))["address"]
+    decode_store = _store_of_node(served, _node_of_worker(served, "decode"))["address"]
+    before = _releases(prefill_store), _releases(decode_store)
+    client = openai_client(served.gateway_url)
+    assert len(complete(client, PROMPTS[1], PARAMS[1])) == PARAMS[1]["max_tokens"]
+    after = _releases(prefill_store), _releases(decode_store)
+    assert after[0] == before[0] + 1, "the request's state was not read from the prefill node's store"
+    assert after[1] == before[1], "the decode node's store held the state: it took two hops"
+
+
+def test_killing_the_prefill_node_store_mid_transfer_fails_closed(served, faults):
+    store = _store_of_node(served, _node_of_worker(served, "prefill"))
+    faults.arm(hold_puts=True, key_prefix="decode")  # the state stalls in the prefill node's store
+    url = served.gateway_url or ""
+    body = {"model": "tiny", "prompt": list(range(40, 140)), "max_tokens": 6, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=180.0)
+        try:
+            wait_for(lambda: any(hit[0] == "hold" for hit in faults.hits()), "the state on its way")
+            os.kill(store["pid"], signal.SIGKILL)
+            response = sent.result(timeout=180.0)  # a guard against a hang, not a latency bound
+        finally:
+            faults.disarm()
+    assert response.status_code == 503, response.text
+
+    def back() -> bool:
+        row = _store_of_node(served, store["node_id"])
+        return row["restarts"] > store["restarts"] and row["healthy"]
+
+    wait_for(back, "the prefill node's store restarted")
+    client = openai_client(served.gateway_url)
+    assert len(complete(client, PROMPTS[0], PARAMS[0])) == PARAMS[0]["max_tokens"]
+    assert_idle(served, timeout_s=60)
