@@ -83,7 +83,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         key = f"{self.worker_id}/{rid}"
         timeout_s = request.timeout_s or self.state_timeout_s
         source = self._source(request.source_store_address)
-        reader = StateReader(sink, source, rid, key, timeout_s, self._free_room)
+        # the arena only of this node's store: another node's state comes over the network
+        shared = None if source is self.store else False
+        reader = StateReader(sink, source, rid, key, timeout_s, self._free_room, shared_memory=shared)
         with self._lock:
             self._readers[rid] = reader
         lapse = threading.Timer(2 * timeout_s, self._lapse, args=(rid, reader))

@@ -35,6 +35,7 @@ class StateReader:
         key: str,
         timeout_s: float,
         on_failure: Callable[[StateReader], None] | None = None,
+        shared_memory: bool | None = None,
     ) -> None:
         self.sink, self.request_id, self.key, self.store = sink, request_id, key, store
         self.num_pieces = 0
@@ -45,7 +46,10 @@ class StateReader:
         self._done = threading.Event()
         self._on_failure = on_failure
         # The store holds the Get open until the prefill's first put creates the key.
-        self._stream = store.get(key, timeout_s=timeout_s, wait_for_key=True)
+        # shared_memory False: another node's store, whose bytes cross the network even where
+        # its arena happens to be mappable (two raylets on one machine).
+        sharing = {} if shared_memory is None else {"shared_memory": shared_memory}
+        self._stream = store.get(key, timeout_s=timeout_s, wait_for_key=True, **sharing)
         threading.Thread(target=self._pull, name=f"state-reader-{request_id}", daemon=True).start()
 
     def wait(self, timeout_s: float) -> None:

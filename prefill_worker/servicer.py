@@ -38,6 +38,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.loop = loop
         self.worker_id = worker_id
         self.request_timeout_s = request_timeout_s
+        self.store_address = store_address  # this node's store: the arena is used for it only
         self._stores: dict[str, StateStoreClient] = {}  # one per decode target's store, kept open
         self._lock = threading.Lock()
         self._cache_reporter = CacheReporter()
@@ -80,8 +81,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             owner = request.state_owner or self.worker_id
             num_state_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
             num_bytes = state_bytes(self.loop.engine.caches, num_state_tokens)
+            # another node's store (two hops) gets bytes even where its arena could be mapped
+            shared = None if request.store_address == self.store_address or not self.store_address else False
             writer = StateWriter(
-                self._store(request.store_address), request.state_key, owner, request.lease_s, num_bytes
+                self._store(request.store_address),
+                request.state_key,
+                owner,
+                request.lease_s,
+                num_bytes,
+                shared_memory=shared,
             )
             export = writer.write
         done = threading.Event()

@@ -1,9 +1,11 @@
 """Streams one request's state into a store with a single Put, piece by piece as the prefill runs.
 
-The engine thread only queues each piece it hands over (a copy of one prefill chunk's MLA rows
-of one layer, or a KDA state after the last chunk). A piece on the CPU goes to `write_state`
-(the sending thread copies it once into the store's shared-memory arena when the store is on
-this node, or cuts and sends it as bytes); a piece on a device goes as a lazy `encode`, whose
+The store is this node's own (the gateway names the prefill's node store: one hop, the decode
+reads it there), so pieces go through its shared-memory arena; a decode's own store on another
+node (two hops, when the gateway knows no stores) gets bytes. The engine thread only queues each
+piece it hands over (a copy of one prefill chunk's MLA rows of one layer, or a KDA state after
+the last chunk). A piece on the CPU goes to `write_state` (the sending thread copies it once
+into the arena, or cuts and sends it as bytes); a piece on a device goes as a lazy `encode`, whose
 copy to the host runs on the sending thread. Checksums are computed there too, so the engine
 never waits on the network, on a checksum or on a device sync. `finish` seals the key and waits
 for the store's ack.
@@ -32,6 +34,7 @@ class StateWriter:
         owner: str,
         lease_s: float,
         expected_bytes: int | None = None,
+        shared_memory: bool | None = None,
     ) -> None:
         self.key, self.owner = key, owner
         self.num_bytes = 0
@@ -39,8 +42,12 @@ class StateWriter:
         self._client = client
         self._sent_until: dict[int, int] = {}  # MLA layer -> rows [0, n) already queued
         self._held: list[torch.Tensor] = []  # what write_state reads in place, until finish
-        # with the state's size the store's arena holds it in one region of that size
-        self._put = client.open_put(key, owner=owner, lease_s=lease_s, expected_bytes=expected_bytes)
+        # with the state's size the store's arena holds it in one region of that size;
+        # shared_memory False: another node's store (two hops), written over the network
+        sharing = {} if shared_memory is None else {"shared_memory": shared_memory}
+        self._put = client.open_put(
+            key, owner=owner, lease_s=lease_s, expected_bytes=expected_bytes, **sharing
+        )
 
     def write(self, state: LayerState) -> None:
         """Queue one piece (engine thread). Rows already queued are dropped: a preempted prefill
