@@ -18,6 +18,7 @@ from splitserve.engine.llm_engine import RequestUpdate
 from splitserve.rpc import abort
 from splitserve.state.client import StateStoreClient
 from splitserve.state.errors import CorruptStateError, StateStoreError
+from splitserve.state.transport import TransportClient
 from splitserve.v1 import decode_pb2, decode_pb2_grpc
 from splitserve.wire import logprobs_from_proto, sampling_params_from_proto
 from splitserve.worker.load import decode_stats
@@ -46,6 +47,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.store_address = store_address
         self.store = StateStoreClient(store_address, timeout_s=10.0)
         self._sources: dict[str, StateStoreClient] = {}  # other nodes' stores read from (one hop)
+        # A transfer engine's reader (store.transfer_engine) for other nodes' stores: the seam for
+        # Mooncake; None (not set by the actor yet) reads them as streamed gRPC bytes.
+        self.transport: TransportClient | None = None
         self.state_timeout_s = state_timeout_s
         self._readers: dict[str, StateReader] = {}
         self._lock = threading.Lock()
@@ -85,7 +89,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         source = self._source(request.source_store_address)
         # the arena only of this node's store: another node's state comes over the network
         shared = None if source is self.store else False
-        reader = StateReader(sink, source, rid, key, timeout_s, self._free_room, shared_memory=shared)
+        transport = None if source is self.store else self.transport
+        reader = StateReader(
+            sink, source, rid, key, timeout_s, self._free_room, shared_memory=shared, transport=transport
+        )
         with self._lock:
             self._readers[rid] = reader
         lapse = threading.Timer(2 * timeout_s, self._lapse, args=(rid, reader))

@@ -20,6 +20,7 @@ from splitserve.engine.state_codec import decode_pieces
 from splitserve.engine.transfer_sink import TransferSink
 from splitserve.state import Chunk
 from splitserve.state.client import StateStoreClient
+from splitserve.state.transport import TransportClient
 
 
 class StateReader:
@@ -36,6 +37,7 @@ class StateReader:
         timeout_s: float,
         on_failure: Callable[[StateReader], None] | None = None,
         shared_memory: bool | None = None,
+        transport: TransportClient | None = None,
     ) -> None:
         self.sink, self.request_id, self.key, self.store = sink, request_id, key, store
         self.num_pieces = 0
@@ -48,8 +50,11 @@ class StateReader:
         # The store holds the Get open until the prefill's first put creates the key.
         # shared_memory False: another node's store, whose bytes cross the network even where
         # its arena happens to be mappable (two raylets on one machine).
-        sharing = {} if shared_memory is None else {"shared_memory": shared_memory}
-        self._stream = store.get(key, timeout_s=timeout_s, wait_for_key=True, **sharing)
+        # With a transfer engine's `transport` another node's arena regions are pulled through it.
+        sharing: dict[str, object] = {} if shared_memory is None else {"shared_memory": shared_memory}
+        if transport is not None:
+            sharing["transport"] = transport
+        self._stream = store.get(key, timeout_s=timeout_s, wait_for_key=True, **sharing)  # type: ignore[arg-type]
         threading.Thread(target=self._pull, name=f"state-reader-{request_id}", daemon=True).start()
 
     def wait(self, timeout_s: float) -> None:
