@@ -21,7 +21,7 @@ from splitserve.engine.forward_batch import ForwardBatch, TokenGroup
 from splitserve.engine.model.layers import GatedRMSNorm, fuse_rows
 from splitserve.engine.model_config import KimiLinearModelConfig
 from splitserve.engine.ops.kda import l2norm
-from splitserve.engine.ops.kda_dispatch import kda_decode_into, kda_prefill
+from splitserve.engine.ops.kda_dispatch import kda_backend, kda_decode_into, kda_prefill, kda_prefill_varlen
 from splitserve.engine.replay_ring import ReplayLayerRing
 
 
@@ -136,6 +136,12 @@ class KimiDeltaAttention(nn.Module):
         recurrent_state: torch.Tensor,
         out: torch.Tensor,
     ) -> None:
+        slots = group.state_slots
+        if kda_backend(q.device) == "torch":  # packed chunks: no padding to the longest row
+            starts = group.token_index[:, 0].tolist()
+            state = kda_prefill_varlen(q, k, v, g, beta, recurrent_state[slots], starts, group.lengths, out)
+            recurrent_state[slots] = state
+            return
         idx, valid = group.token_index, group.valid
         mask = valid.unsqueeze(-1).unsqueeze(-1)
 
@@ -143,7 +149,6 @@ class KimiDeltaAttention(nn.Module):
             return (t[idx] * mask).transpose(1, 2)
 
         b = (beta[idx] * valid.unsqueeze(-1)).transpose(1, 2)
-        slots = group.state_slots
         o, state = kda_prefill(padded(q), padded(k), padded(v), padded(g), b, recurrent_state[slots])
         recurrent_state[slots] = state
         out[idx[valid]] = o.transpose(1, 2)[valid]

@@ -6,11 +6,21 @@ with q and k L2-normalised in fp32 and q scaled by `1/sqrt(d_k)`. All math is fp
 
 Right-padding a sequence with `k = v = g = beta = 0` leaves its state exactly unchanged, which
 is what lets sequences of different lengths share one padded call.
+
+The chunked form splits the work in two: everything local to a chunk (decays, the WY
+transform, the causal intra-chunk scores) runs at once over every chunk of every row, and
+only the state passing walks the chunks in order. `kda_chunked_varlen` packs the rows of a
+flat batch chunk by chunk instead of padding every row to the longest, so a batch of mixed
+prompt lengths computes no padding beyond each row's last chunk.
 """
 
 from __future__ import annotations
 
 import torch
+
+# Tokens per chunk. The intra-chunk decay tensor is [chunks, H, C, C, Dk], C times the inputs,
+# so a smaller chunk costs less elementwise work; the sequential state pass runs L / C steps.
+CHUNK_SIZE = 16
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -30,12 +40,24 @@ def kda_recurrent_step(
 
     q and k arrive L2-normalised, q already scaled. Returns (output [N, H, Dv], new state).
     """
-    state = state * g.exp().unsqueeze(-1)
-    kv_mem = torch.einsum("nhkv,nhk->nhv", state, k)
-    u = (v - kv_mem) * beta.unsqueeze(-1)
-    state = state + k.unsqueeze(-1) * u.unsqueeze(-2)
-    out = torch.einsum("nhkv,nhk->nhv", state, q)
-    return out, state
+    state = state.clone()
+    return kda_recurrent_step_(q, k, v, g, beta, state), state
+
+
+def kda_recurrent_step_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> torch.Tensor:
+    """`kda_recurrent_step` updating `state` in place (no new state tensor); returns the output."""
+    state.mul_(g.exp().unsqueeze(-1))
+    kv_mem = (k.unsqueeze(-2) @ state).squeeze(-2)  # S^T k as a row-vector product: one bmm, no copy
+    u = (v - kv_mem).mul_(beta.unsqueeze(-1))
+    state.addcmul_(k.unsqueeze(-1), u.unsqueeze(-2))
+    return (q.unsqueeze(-2) @ state).squeeze(-2)
 
 
 def kda_chunked(
@@ -45,7 +67,7 @@ def kda_chunked(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
-    chunk_size: int = 16,
+    chunk_size: int = CHUNK_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Many tokens per row, chunk-parallel (WY form). Shapes [B, H, L, D] / beta [B, H, L].
 
@@ -53,32 +75,134 @@ def kda_chunked(
     before the first token. Returns (output [B, H, L, Dv], state after the last token).
     """
     batch, heads, length, dk = k.shape
+    dv = v.shape[-1]
     pad = (-length) % chunk_size
     if pad:
         q, k, v, g = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v, g))
         beta = torch.nn.functional.pad(beta, (0, pad))
     num_chunks = (length + pad) // chunk_size
-    q, k, v, g = (x.reshape(batch, heads, num_chunks, chunk_size, x.shape[-1]) for x in (q, k, v, g))
-    beta = beta.reshape(batch, heads, num_chunks, chunk_size, 1)
-    g = g.cumsum(dim=-2)
-    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
-    strict = causal.logical_not().unsqueeze(-1)  # j > i: masked before exp so it cannot overflow
-    decay = (g.unsqueeze(-2) - g.unsqueeze(-3)).masked_fill(strict, float("-inf")).exp()
-    k_beta = k * beta
-    # A[i, j] = beta_i * k_i . (k_j * exp(G_i - G_j)) for j < i; T = (I + A)^-1 (forward substitution)
-    a = torch.einsum("bhnid,bhnjd,bhnijd->bhnij", k_beta, k, decay).tril(-1)
-    eye = torch.eye(chunk_size, dtype=q.dtype, device=q.device)
+
+    def chunk_major(x: torch.Tensor) -> torch.Tensor:  # [B, H, N*C, D] -> [N*B*H, C, D]
+        x = x.reshape(batch, heads, num_chunks, chunk_size, -1)
+        return x.permute(2, 0, 1, 3, 4).reshape(num_chunks * batch * heads, chunk_size, -1)
+
+    b = beta.unsqueeze(-1)
+    out, final = _chunk_scan(
+        chunk_major(q),
+        chunk_major(k),
+        chunk_major(v),
+        chunk_major(g),
+        chunk_major(b).squeeze(-1),
+        state.reshape(batch * heads, dk, dv),
+        [batch * heads] * num_chunks,
+    )
+    out = out.view(num_chunks, batch, heads, chunk_size, dv).permute(1, 2, 0, 3, 4)
+    return out.reshape(batch, heads, num_chunks * chunk_size, dv)[:, :, :length], final.view_as(state)
+
+
+def kda_chunked_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    starts: list[int],
+    lengths: list[int],
+    out: torch.Tensor | None = None,
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kda_chunked` on rows of a flat token batch, without padding rows to the longest.
+
+    q, k, g: [T, H, Dk]; v: [T, H, Dv]; beta: [T, H]; row b's tokens are `starts[b]` ..
+    `starts[b] + lengths[b] - 1`; `state` [B, H, Dk, Dv] fp32 holds each row's state before its
+    first token. Returns (output [T, H, Dv]: written into `out` when given, which keeps its other
+    tokens, else zero at tokens no row names; the states after each row's last token [B, H, Dk, Dv]).
+    """
+    num_tokens, heads, dk = k.shape
+    dv = v.shape[-1]
+    dev = q.device
+    rows = len(lengths)
+    num_chunks = [-(-n // chunk_size) for n in lengths]
+    # rows longest first: the rows still running at chunk step n are then a prefix
+    order = sorted(range(rows), key=lambda r: -num_chunks[r])
+    sorted_chunks = torch.tensor([num_chunks[r] for r in order], device=dev)
+    steps = torch.arange(max(num_chunks), device=dev)
+    step_of, row_of = (sorted_chunks.unsqueeze(0) > steps.unsqueeze(1)).nonzero(as_tuple=True)
+    rows_per_step = [sum(1 for n in num_chunks if n > s) for s in range(max(num_chunks))]
+    # packed chunk c (step-major) holds row row_of[c]'s tokens step_of[c] * C .. + C - 1
+    offset = step_of.unsqueeze(1) * chunk_size + torch.arange(chunk_size, device=dev)  # [NC, C]
+    sorted_starts = torch.tensor([starts[r] for r in order], device=dev)
+    sorted_lengths = torch.tensor([lengths[r] for r in order], device=dev)
+    real = offset < sorted_lengths[row_of].unsqueeze(1)
+    index = torch.where(real, sorted_starts[row_of].unsqueeze(1) + offset, num_tokens)  # T: a zero row
+
+    def packed(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [NC*H, C, D], padding zero
+        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])[index]  # [NC, C, H, D]
+        return x.transpose(1, 2).reshape(-1, chunk_size, x.shape[-1])
+
+    order_t = torch.tensor(order, device=dev)
+    chunk_out, final = _chunk_scan(
+        packed(q),
+        packed(k),
+        packed(v),
+        packed(g),
+        packed(beta.unsqueeze(-1)).squeeze(-1),
+        state[order_t].reshape(rows * heads, dk, dv),
+        [n * heads for n in rows_per_step],
+    )
+    flat = q.new_zeros(num_tokens, heads, dv) if out is None else out
+    flat[index[real]] = chunk_out.view(-1, heads, chunk_size, dv).transpose(1, 2)[real]
+    new_state = torch.empty_like(state)
+    new_state[order_t] = final.view(rows, heads, dk, dv)
+    return flat, new_state
+
+
+def _chunk_scan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    active_per_step: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked delta rule on packed chunks. q, k, g: [M, C, Dk]; v: [M, C, Dv]; beta: [M, C].
+
+    Chunks are step-major: step n's chunks are the next `active_per_step[n]` entries, and they
+    continue the first `active_per_step[n]` states of `state` [S, Dk, Dv] (so the sequences
+    still running at a step are always a prefix). Returns (output [M, C, Dv], the final states).
+    """
+    chunk = k.shape[1]
+    g = g.cumsum(dim=1)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    # decay[m, i, j, d] = exp(G_i - G_j) for j <= i, masked to -inf above before exp (no overflow)
+    decay = g.unsqueeze(2) - g.unsqueeze(1)
+    decay.masked_fill_(causal.logical_not().unsqueeze(-1), float("-inf")).exp_()
+    decay.mul_(k.unsqueeze(1))  # times k_j: one [M, C, C, Dk] tensor serves both score matrices
+    k_beta = k * beta.unsqueeze(-1)
+    # scores[m, i, j, 0] = beta_i k_i . (k_j exp(G_i - G_j)); [.., 1] the same with q_i: one matmul
+    scores = decay @ torch.stack([k_beta, q], dim=-1)  # [M, C, C, Dk] @ [M, C, Dk, 2] -> [M, C, C, 2]
+    del decay
+    a = scores[..., 0].tril(-1)
+    intra = scores[..., 1].contiguous()  # zero above the diagonal already
+    # T = (I + A)^-1 (forward substitution), then the WY transform of values and keys
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
     t = torch.linalg.solve_triangular(a + eye, eye.expand_as(a), upper=False, unitriangular=True)
-    w_values = t @ (v * beta)
-    w_keys = t @ (k_beta * g.exp())
-    intra = torch.einsum("bhnid,bhnjd,bhnijd->bhnij", q, k, decay).masked_fill(~causal, 0.0)
-    q_decayed = q * g.exp()
-    g_last = g[:, :, :, -1:, :]
-    k_to_end = k * (g_last - g).exp()
-    outputs = []
-    for n in range(num_chunks):
-        v_new = w_values[:, :, n] - w_keys[:, :, n] @ state
-        outputs.append(q_decayed[:, :, n] @ state + intra[:, :, n] @ v_new)
-        state = state * g_last[:, :, n].transpose(-1, -2).exp() + k_to_end[:, :, n].transpose(-1, -2) @ v_new
-    out = torch.cat(outputs, dim=2)[:, :, :length]
+    g_exp = g.exp()
+    w_values = t @ (v * beta.unsqueeze(-1))
+    w_keys = t @ (k_beta * g_exp)
+    q_decayed = q * g_exp
+    g_last = g[:, -1:, :]  # [M, 1, Dk]
+    k_to_end_t = (k * (g_last - g).exp()).transpose(1, 2)  # [M, Dk, C]
+    decay_last = g_last.exp().transpose(1, 2)  # [M, Dk, 1]
+    out = torch.empty_like(v)
+    state = state.clone()
+    start = 0
+    for active in active_per_step:
+        chunks, s = slice(start, start + active), state[:active]
+        v_new = torch.baddbmm(w_values[chunks], w_keys[chunks], s, alpha=-1.0)
+        torch.baddbmm(q_decayed[chunks] @ s, intra[chunks], v_new, out=out[chunks])
+        state[:active] = torch.baddbmm(s * decay_last[chunks], k_to_end_t[chunks], v_new)
+        start += active
     return out, state

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from splitserve.engine.ops.backend import choose_backend, importable
-from splitserve.engine.ops.kda import kda_chunked, kda_recurrent_step
+from splitserve.engine.ops.kda import kda_chunked, kda_chunked_varlen, kda_recurrent_step, kda_recurrent_step_
 
 BACKEND_ENV = "SPLITSERVE_KDA_BACKEND"
 
@@ -59,6 +59,23 @@ def kda_prefill(
         output_final_state=True,
     )
     return out.transpose(1, 2), final
+
+
+def kda_prefill_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    starts: list[int],
+    lengths: list[int],
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Rows of a flat batch (q, k, g [T, H, Dk], v [T, H, Dv], beta [T, H]) on the torch path:
+    writes each row's outputs into `out` [T, H, Dv], returns the states after each row's last
+    token; see `kda_chunked_varlen`. (fla's varlen call would need `cu_seqlens` on the device.)"""
+    return kda_chunked_varlen(q, k, v, g, beta, state, starts, lengths, out)[1]
 
 
 def kda_decode(
@@ -105,8 +122,9 @@ def kda_decode_into(
     step moves each state once instead of gathering a copy and scattering it back.
     """
     if kda_backend(q.device) == "torch":
-        out, new_state = kda_recurrent_step(q, k, v, g, beta, state_pool[slots])
-        state_pool[slots] = new_state
+        state = state_pool[slots]  # a gathered copy, updated in place, then written back
+        out = kda_recurrent_step_(q, k, v, g, beta, state)
+        state_pool[slots] = state
         return out
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
