@@ -41,6 +41,7 @@ class DecodeWorkerActor(WorkerActorBase):
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()
+        out["worker_id"] = self.worker_id  # the owner of the state it keeps in its store
         if self.replay_publisher is not None:  # what keeping state for failover costs
             out["replay"] = dataclasses.asdict(self.replay_publisher.stats)
         return out

@@ -2,6 +2,11 @@
 with exactly the tokens of an uninterrupted run (greedy, then seeded) and the controller restores
 the pool; with it off, the streams on the killed worker end with an SSE error event.
 
+With `decode.replay_window: 16` the decode workers keep each request's state in the node's store
+as they decode, and the streams of the killed worker resume from that stored state (the metric's
+method says so), exactly; with the stored state gone (released before the kill), they fall back to
+re-prefilling, still exactly.
+
 The kill is keyed on tokens received (every stream has some, none has finished), never on a
 sleep; the worker to kill is the decode worker running the most of them, its pid from the
 controller's status.
@@ -25,12 +30,15 @@ import pytest
 from deploy.launcher import run_cluster
 from splitserve import LLM, SamplingParams
 from splitserve.config import parse_config
+from splitserve.state.client import StateStoreClient
 from splitserve.tiny_model import make_tiny_model
 from tests.e2e.helpers import MODEL, token_id, worker_stats
 
 NUM_STREAMS = 8
-NUM_TOKENS = 48  # per stream; long enough that every stream is still running at the kill
+NUM_TOKENS = 96  # per stream; long enough that every stream is still running at the kill
 NUM_BEFORE_KILL = 3  # tokens every stream must have received before the kill
+NUM_BEFORE_KILL_STORED = 21  # past the first window: the stored state holds pieces by then
+REPLAY_WINDOW = 16
 GREEDY = {"temperature": 0.0}
 SEEDED = {"temperature": 0.9, "top_p": 0.95}
 
@@ -63,14 +71,14 @@ def expected(model_path, prompts) -> dict[str, list[list[int]]]:
     return out
 
 
-def _config(model_path, failover: bool):
+def _config(model_path, failover: bool, replay_window: int = 0):
     pool = {"num_cpus": 0.5, "kv_cache_memory_bytes": "32MiB", "max_num_seqs": 16}
     return parse_config(
         {
             "model": {"path": str(model_path), "name": MODEL},
             "gateway": {"port": 0},
             "prefill": pool,
-            "decode": {**pool, "replicas": 2, "failover": failover},
+            "decode": {**pool, "replicas": 2, "failover": failover, "replay_window": replay_window},
             "store": {"memory_bytes": "128MiB", "disk": {"path": None}},
             # Independent of the prefix cache: every request is routed and prefilled afresh.
             "cache": {"enable_prefix_caching": False},
@@ -82,14 +90,18 @@ def _config(model_path, failover: bool):
 
 @pytest.fixture(scope="module")
 def cluster(request, local_ray, model_path):
-    """A deployment with `decode.failover` as the test's indirect parameter says; the tests of
-    one value share it (pytest groups them), and it stops before the other value's starts."""
-    with run_cluster(_config(model_path, request.param)) as handle:
+    """A deployment as the test's indirect parameter says ("failover", "no-failover", "stored":
+    failover with ReplaySSM publishing); the tests of one value share it (pytest groups them), and
+    it stops before the next value's starts."""
+    mode = request.param
+    replay_window = REPLAY_WINDOW if mode == "stored" else 0
+    with run_cluster(_config(model_path, mode != "no-failover", replay_window)) as handle:
         yield handle
 
 
-FAILOVER_ON = pytest.mark.parametrize("cluster", [True], ids=["failover"], indirect=True)
-FAILOVER_OFF = pytest.mark.parametrize("cluster", [False], ids=["no-failover"], indirect=True)
+FAILOVER_ON = pytest.mark.parametrize("cluster", ["failover"], indirect=True)
+FAILOVER_OFF = pytest.mark.parametrize("cluster", ["no-failover"], indirect=True)
+STORED = pytest.mark.parametrize("cluster", ["stored"], indirect=True)
 
 
 @dataclass
@@ -175,12 +187,16 @@ def _decode_rows(handle) -> list[dict[str, Any]]:
     return handle.status()["pools"]["decode"]["workers"]
 
 
-def _kill_busiest_decode_worker(handle) -> dict[str, Any]:
-    """SIGKILL the process of the decode worker running the most requests; its status row."""
+def _kill_busiest_decode_worker(handle, before_kill=None) -> dict[str, Any]:
+    """SIGKILL the process of the decode worker running the most requests; its status row.
+    `before_kill(handle, stats)` runs first with that worker's own stats."""
     rows = _decode_rows(handle)
-    running = [worker_stats(handle, "decode", row["index"])["num_running"] for row in rows]
+    stats = [worker_stats(handle, "decode", row["index"]) for row in rows]
+    running = [s["num_running"] for s in stats]
     row = rows[running.index(max(running))]
     assert max(running) > 0 and row["pid"], f"no decode worker is running anything: {rows}, {running}"
+    if before_kill is not None:
+        before_kill(handle, stats[running.index(max(running))])
     os.kill(row["pid"], signal.SIGKILL)
     return row
 
@@ -198,34 +214,48 @@ def _wait_restored(handle, killed: dict[str, Any], timeout_s: float = 300) -> No
         time.sleep(0.2)
 
 
-def _failovers(url: str, outcome: str) -> float:
+def _failovers(url: str, outcome: str, method: str | None = None) -> float:
     metrics = httpx.get(f"{url}/metrics", timeout=30).text
     prefix = "splitserve_decode_failovers_total{"
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in metrics.splitlines()
-        if line.startswith(prefix) and f'outcome="{outcome}"' in line
+        if line.startswith(prefix)
+        and f'outcome="{outcome}"' in line
+        and (method is None or f'method="{method}"' in line)
     )
 
 
-@FAILOVER_ON
-@pytest.mark.parametrize("kind", ["greedy", "seeded"])
-def test_every_stream_survives_a_killed_decode_worker_exactly(cluster, prompts, expected, kind):
-    handle = cluster
-    url = handle.gateway_url
-    resumed_before = _failovers(url, "resumed")
-    streams = Streams(url, prompts, GREEDY if kind == "greedy" else SEEDED)
-    streams.wait_until_all_have(NUM_BEFORE_KILL)
-    killed = _kill_busiest_decode_worker(handle)
-    results = streams.finish()
+def _counts(url: str) -> dict[tuple[str, str], float]:
+    return {
+        (outcome, method): _failovers(url, outcome, method)
+        for outcome in ("resumed", "failed")
+        for method in ("stored_state", "reprefill")
+    }
 
+
+def _run_kill(handle, prompts, expected, kind: str, num_before_kill: int, before_kill=None) -> None:
+    """8 streams, the busiest decode worker killed once each has `num_before_kill` tokens (after
+    `before_kill(handle, its status row)`); every stream exact, the pool restored."""
+    streams = Streams(handle.gateway_url, prompts, GREEDY if kind == "greedy" else SEEDED)
+    streams.wait_until_all_have(num_before_kill)
+    killed = _kill_busiest_decode_worker(handle, before_kill)
+    results = streams.finish()
     errors = {i: s.error for i, s in enumerate(results) if s.error}
     assert not errors, f"streams ended with errors: {errors}"
     wrong = [i for i, (s, want) in enumerate(zip(results, expected[kind])) if s.token_ids != want]
     assert not wrong, f"streams {wrong} differ from the uninterrupted run"
     assert all(s.finish_reason == "length" for s in results)
-    assert _failovers(url, "resumed") > resumed_before  # the kill did land on running streams
     _wait_restored(handle, killed)
+
+
+@FAILOVER_ON
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+def test_every_stream_survives_a_killed_decode_worker_exactly(cluster, prompts, expected, kind):
+    url = cluster.gateway_url
+    resumed_before = _failovers(url, "resumed")
+    _run_kill(cluster, prompts, expected, kind, NUM_BEFORE_KILL)
+    assert _failovers(url, "resumed") > resumed_before  # the kill did land on running streams
 
 
 @FAILOVER_OFF
@@ -248,3 +278,33 @@ def test_without_failover_the_killed_workers_streams_end_with_an_error_event(clu
         else:
             assert stream.token_ids == want
     _wait_restored(handle, killed)
+
+
+@STORED
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+def test_every_stream_resumes_from_stored_state_exactly(cluster, prompts, expected, kind):
+    url = cluster.gateway_url
+    before = _counts(url)
+    _run_kill(cluster, prompts, expected, kind, NUM_BEFORE_KILL_STORED)
+    after = _counts(url)
+    assert after[("resumed", "stored_state")] > before[("resumed", "stored_state")], after
+    assert after[("resumed", "reprefill")] == before[("resumed", "reprefill")], after
+    assert after[("failed", "stored_state")] == before[("failed", "stored_state")], after
+
+
+def _release_its_state(handle, stats: dict[str, Any]) -> None:
+    """Everything the worker about to be killed keeps in the store goes, as if evicted."""
+    assert stats.get("replay") is not None, f"the decode worker publishes nothing: {stats}"
+    for store in handle.status()["stores"]:
+        with StateStoreClient(store["address"], timeout_s=30) as client:
+            client.release(owner=stats["worker_id"])
+
+
+@STORED
+def test_without_the_stored_state_the_streams_reprefill_exactly(cluster, prompts, expected):
+    url = cluster.gateway_url
+    before = _counts(url)
+    _run_kill(cluster, prompts, expected, "greedy", NUM_BEFORE_KILL_STORED, _release_its_state)
+    after = _counts(url)
+    assert after[("failed", "stored_state")] > before[("failed", "stored_state")], after
+    assert after[("resumed", "reprefill")] > before[("resumed", "reprefill")], after
