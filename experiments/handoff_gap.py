@@ -1,6 +1,6 @@
 """Experiment: the handoff gap (first token to second) of a request carrying >= 64 MiB of state.
 
-    python -m experiments.handoff_gap [--prompt-tokens 256] [--busy 3] [--probes 5]
+    python -m experiments.handoff_gap [--prompt-tokens 256] [--busy 3] [--probes 5] [--nodes]
 
 Builds the `handoff-64m` tiny model (8 KDA layers of 32 x 256 x 256 fp32 heads: ~64 MiB of
 state per request whatever its length), starts a state store, a prefill, a decode and a
@@ -12,6 +12,13 @@ first token the Decode stream yields. Prints the medians of `--probes` requests 
 state each disaggregated request moved (bytes, and the prefill's put after its last layer), and
 for a busy cell the time between two tokens of a background request (about one decode step),
 so a gap can be read in steps.
+
+With `--nodes` it compares where the state goes instead: two stores in this process stand for
+two nodes (A: the prefill's, B: another), and a worker uses the arena of its own node's store
+only, so state crossing "nodes" moves as gRPC bytes on loopback, as across two raylets. Cells:
+`same-node` (the decode beside the prefill on A), `one-hop` (decode on B reads A's store, where
+the prefill wrote through the arena: the default path), `two-hop` (the prefill sends the bytes
+to B's store, the decode on B reads them there through the arena: the path before one hop).
 """
 
 from __future__ import annotations
@@ -57,7 +64,8 @@ class Probe:
 class Client:
     """The gateway's Reserve -> Prefill -> Decode flow against one prefill and one decode address."""
 
-    def __init__(self, prefill_address: str, decode_address: str) -> None:
+    def __init__(self, prefill_address: str, decode_address: str, source_store: str = "") -> None:
+        self.source = source_store  # the store the prefill writes into ("": the decode's own)
         self._channels = [make_channel(prefill_address), make_channel(decode_address)]
         self.prefill = prefill_pb2_grpc.PrefillStub(self._channels[0])
         self.decode = decode_pb2_grpc.DecodeStub(self._channels[1])
@@ -68,10 +76,10 @@ class Client:
 
     def start(self, rid: str, prompt: list[int], params: SamplingParams) -> tuple[float, object, object]:
         """Reserve and prefill; returns (seconds to the first token, its answer, the Decode stream)."""
-        reserved = self.decode.Reserve(
-            decode_pb2.ReserveRequest(request_id=rid, num_prompt_tokens=len(prompt), timeout_s=120),
-            timeout=120,
+        reserve = decode_pb2.ReserveRequest(
+            request_id=rid, num_prompt_tokens=len(prompt), timeout_s=120, source_store_address=self.source
         )
+        reserved = self.decode.Reserve(reserve, timeout=120)
         if not reserved.accepted:
             raise RuntimeError(f"{rid}: the decode side refused a reservation ({reserved.reject_reason})")
         sp = sampling_params_to_proto(params)
@@ -166,6 +174,49 @@ def report(mode: str, load: str, probes: list[Probe]) -> str:
     )
 
 
+def start_store(stack: ExitStack, memory_bytes: int) -> StateStoreServer:
+    """A store and its gRPC server on 127.0.0.1, both closed with `stack`."""
+    store = StateStore.from_config(StoreConfig(memory_bytes=memory_bytes))
+    stack.callback(store.close)
+    server = StateStoreServer(store, "127.0.0.1", 0)
+    stack.callback(server.stop, grace_s=0)
+    return server
+
+
+def compare_nodes(
+    stack: ExitStack, config: EngineConfig, store_a: str, store_b: str, args: argparse.Namespace
+) -> None:
+    """The handoff gap with the decode on the prefill's node, and on another node by one hop and
+    by two (see the module's docstring), idle and busy."""
+    workers = {
+        "prefill": PrefillWorkerActor(config, store_a),
+        "decode-a": DecodeWorkerActor(config, store_a),
+        "decode-b": DecodeWorkerActor(config, store_b),
+    }
+    addresses = {name: w.start("127.0.0.1", 0) for name, w in workers.items()}
+    for w in workers.values():
+        stack.callback(w.shutdown)
+    clients = {
+        "same-node": Client(addresses["prefill"], addresses["decode-a"], store_a),
+        "one-hop": Client(addresses["prefill"], addresses["decode-b"], store_a),
+        "two-hop": Client(addresses["prefill"], addresses["decode-b"], ""),
+    }
+    for c in clients.values():
+        stack.callback(c.close)
+    print(
+        f"{PRESET}, prompt {args.prompt_tokens} tokens, prefill chunks of {args.chunk_tokens}, "
+        f"busy = {args.busy} requests decoding, median of {args.probes} probes; two stores in one "
+        "process as two nodes, cross-node bytes over gRPC on loopback"
+    )
+    background = [(i * 5 + 1) % 200 + 10 for i in range(16)]
+    for name, client in clients.items():
+        print(report(name, "idle", measure(client, name, "idle", args)), flush=True)
+        if args.busy:
+            with busy(client, args.busy, background) as load:
+                print(report(name, "busy", measure(client, name, "busy", args)), flush=True)
+            print(f"{'':19s} (busy: one decode step ~{1e3 * load.step_s():.0f} ms between two tokens)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompt-tokens", type=int, default=256)
@@ -175,6 +226,7 @@ def main() -> None:
     )
     parser.add_argument("--chunk-tokens", type=int, default=64, help="the prefill's max_num_batched_tokens")
     parser.add_argument("--model", type=Path, default=None, help=f"a {PRESET} checkpoint (default: built)")
+    parser.add_argument("--nodes", action="store_true", help="same-node vs one-hop vs two-hop instead")
     args = parser.parse_args()
     with ExitStack() as stack:
         model = args.model or make_tiny_model(
@@ -188,10 +240,10 @@ def main() -> None:
             max_num_seqs=num_seqs,
             kv_cache_memory_bytes=num_seqs * STATE_SLOT_BYTES + (64 << 20),
         )
-        store = StateStore.from_config(StoreConfig(memory_bytes=(num_seqs + 2) * STATE_SLOT_BYTES))
-        stack.callback(store.close)
-        server = StateStoreServer(store, "127.0.0.1", 0)
-        stack.callback(server.stop, grace_s=0)
+        server = start_store(stack, (num_seqs + 2) * STATE_SLOT_BYTES)
+        if args.nodes:
+            compare_nodes(stack, config, server.address, start_store(stack, 3 * STATE_SLOT_BYTES).address, args)
+            return
         workers = {
             "prefill": PrefillWorkerActor(config, server.address),
             "decode": DecodeWorkerActor(config, server.address),
