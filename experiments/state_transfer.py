@@ -1,81 +1,110 @@
-"""Benchmark: same-node state transfer through the store, shared memory vs gRPC bytes vs memcpy.
+"""Benchmark: state transfer through the store, shared memory vs transfer engine vs gRPC vs memcpy.
 
     python -m experiments.state_transfer [--sizes-mib 1 16 64 256] [--repeats 5] [--piece-mib 2]
 
-For each size, a fp32 state in layer-sized pieces (default 2 MiB: one Kimi-Linear-48B KDA layer,
-32x128x128 fp32) goes through a real StateStore gRPC server on 127.0.0.1, in its own process as
-on a node, as a prefill writes it
-(`StateStoreClient.open_put` + `PutStream.write_state` per piece, `finish`) and comes back as a
-decode reads it (`get`, every chunk's checksum verified by the client), once over the store's
-shared-memory arena (one copy in, zero-copy views out) and once as bytes over gRPC (the path of
-a reader on another node). As in a real handoff the reader's Get waits on the key before the
-writer starts (a decode reservation), so writing and reading overlap; a transfer ends when the
-reader holds every chunk, verified. `shm` stops there (zero-copy views); `shm+scatter` and
-`gRPC` also copy each chunk into one destination array (the engine's scatter into its cache).
-Next to them, a memcpy of the same bytes into warm memory (numpy.copyto). Prints best-of-
-`repeats` GB/s and the fraction of memcpy. Figures only.
+Three processes, as on a node: a real StateStore gRPC server on 127.0.0.1 (its own process, as
+its Ray actor), a writer (this process, as a prefill) and a reader (its own process, as a
+decode). For each size, a fp32 state in layer-sized pieces (default 2 MiB: one Kimi-Linear-48B
+KDA layer, 32x128x128 fp32) is written as a prefill writes it (`StateStoreClient.open_put` +
+`PutStream.write_state` per piece, `finish`) and read as a decode reads it (`get`, every chunk's
+checksum verified by the client). As in a real handoff the reader's Get waits on the key before
+the writer starts (a decode reservation), so writing and reading overlap; a transfer ends when
+the reader holds every chunk, verified, and has said so over a pipe. Transports:
+
+* `shm`: the store's shared-memory arena, one copy in, zero-copy views out; `shm+scatter` also
+  copies each chunk into one destination array (the engine's scatter into its cache);
+* `gRPC`: the bytes streamed by the store (a reader on another node without a transfer engine);
+* `mooncake`: the reader pulls the arena's regions through Mooncake Transfer Engine over TCP on
+  loopback (a reader on another node with `store.transfer_engine: mooncake`), into buffers of
+  its own, then scatters; n/a where the extra or libibverbs is missing.
+
+`gRPC` and `mooncake` scatter too. Next to them, a memcpy of the same bytes into warm memory
+(numpy.copyto). Prints best-of-`repeats` GB/s and the fraction of memcpy. Figures only.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import multiprocessing
-import threading
 import time
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Event
 
 import numpy as np
 
-from splitserve.state import StateKind
+from splitserve.state import StateKind, checksum
 from splitserve.state.client import StateStoreClient
 from state_store.config import StoreConfig
 from state_store.server import StateStoreServer
 from state_store.store import StateStore
 
 _keys = itertools.count()
-_done_keys: list[str] = []
+TRANSPORTS = ("shm", "shm+scatter", "gRPC", "mooncake")
 
 
-def _best_s(fn: Callable[[], object], repeats: int, client: StateStoreClient | None = None) -> float:
-    """The fastest of `repeats` runs of `fn`, releasing the keys each left (untimed)."""
-    best_s = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best_s = min(best_s, time.perf_counter() - start)
-        while client is not None and _done_keys:
-            client.release(_done_keys.pop())
-    return best_s
+def serve_store(memory_bytes: int, transfer_engine: str, address_out: Connection, stop: Event) -> None:
+    """A store in its own process, as on a node (its Ray actor): sends its address (or the error
+    that kept its transfer engine from starting), serves until `stop`."""
+    try:
+        store = StateStore.from_config(
+            StoreConfig(memory_bytes=memory_bytes, transfer_engine=transfer_engine)
+        )
+        server = StateStoreServer(store)
+    except ImportError as e:
+        address_out.send(e)
+        return
+    address_out.send(server.address)
+    stop.wait()
+    server.stop(grace_s=0)
+    store.close()
 
 
-def handoff(client: StateStoreClient, pieces: list[np.ndarray], out: np.ndarray | None, shm: bool) -> None:
-    """One request's handoff: the reader waits on the key (a decode reservation) while the writer
-    puts `pieces` as its layers; returns once every chunk is verified in the reader's hands
-    (and copied into `out`, as the engine's scatter, unless `out` is None)."""
-    key = f"bench-{next(_keys)}"
-    stream = client.get(key, timeout_s=300, wait_for_key=True, shared_memory=shm)
-    errors: list[BaseException] = []
+def read_keys(address: str, use_mooncake: bool, jobs: Connection) -> None:
+    """The reader's process (a decode worker): per (key, transport, num_bytes) job, opens a Get
+    waiting on the key, says "ready", takes every chunk (verified by the client, and scattered
+    into one array unless the transport is `shm`), says ("done", num_bytes), then sends the
+    checksum of what it scattered (untimed: the writer checks it)."""
+    transport = None
+    if use_mooncake:
+        from splitserve.state.transport import open_client
 
-    def read() -> None:
-        flat = None if out is None else out.view(np.uint8)
+        transport = open_client("mooncake", "127.0.0.1")
+    client = StateStoreClient(address, timeout_s=300)
+    out = np.empty(0, np.uint8)
+    while (job := jobs.recv()) is not None:
+        key, kind, num_bytes = job
+        if out.nbytes < num_bytes:
+            out = np.zeros(num_bytes, np.uint8)  # touched once, warm for every repeat: as a cache
+        shm = kind.startswith("shm")
+        stream = client.get(
+            key,
+            timeout_s=300,
+            wait_for_key=True,
+            shared_memory=shm,
+            transport=transport if kind == "mooncake" else None,
+        )
+        jobs.send("ready")
         start = 0
-        try:
-            for chunk in stream:
-                end = start + len(chunk.data)
-                if flat is not None:
-                    flat[start:end] = np.frombuffer(chunk.data, np.uint8)
-                start = end
-        except BaseException as e:  # noqa: BLE001 - raised again on the writer's thread
-            errors.append(e)
+        for chunk in stream:
+            end = start + chunk.meta.num_bytes
+            if kind != "shm":
+                out[start:end] = np.frombuffer(chunk.data, np.uint8)
+            start = end
+        jobs.send(("done", start))
+        jobs.send(checksum.compute(out[:num_bytes]) if kind != "shm" else None)
+    client.close()
 
-    reader = threading.Thread(target=read)
-    reader.start()
+
+def handoff(client: StateStoreClient, reader: Connection, pieces: list[np.ndarray], kind: str) -> float:
+    """One request's handoff over `kind`; seconds from the writer's first piece until the reader
+    said it held them all. Releases the key afterwards (untimed, as a decode does after use)."""
+    key = f"bench-{next(_keys)}"
     num_bytes = sum(p.nbytes for p in pieces)
-    put = client.open_put(key, owner="bench", shared_memory=shm, expected_bytes=num_bytes)
+    reader.send((key, kind, num_bytes))
+    assert reader.recv() == "ready"
+    start = time.perf_counter()
+    put = client.open_put(key, owner="bench", shared_memory=kind != "gRPC", expected_bytes=num_bytes)
     for layer, piece in enumerate(pieces):
         put.write_state(
             layer,
@@ -87,34 +116,37 @@ def handoff(client: StateStoreClient, pieces: list[np.ndarray], out: np.ndarray 
             token_end=1,
         )
     put.finish(timeout_s=300)
-    reader.join()
-    _done_keys.append(key)  # released after the timing: a decode releases once it has the state
-    if errors:
-        raise errors[0]
+    done, received = reader.recv()
+    elapsed_s = time.perf_counter() - start
+    scattered = reader.recv()
+    assert done == "done" and received == num_bytes, (done, received, num_bytes)
+    whole = np.concatenate([p.reshape(-1) for p in pieces]).view(np.uint8)
+    assert scattered is None or scattered == checksum.compute(whole), f"{kind}: the reader's copy differs"
+    client.release(key)
+    return elapsed_s
 
 
-def measure(client: StateStoreClient, mib: int, piece_mib: float, repeats: int) -> list[float]:
-    """GB/s of memcpy, shm, shm+scatter and gRPC for `mib` MiB."""
+def measure(
+    client: StateStoreClient, reader: Connection, mib: int, piece_mib: float, repeats: int, kinds: list[str]
+) -> list[float | None]:
+    """GB/s of memcpy, then of each of TRANSPORTS (None: not run) for `mib` MiB."""
     data = np.random.default_rng(mib).standard_normal(mib << 18).astype(np.float32)
     rows = max(128, int(piece_mib * (1 << 18)) // 128 * 128)
     pieces = [data[i : i + rows].reshape(-1, 128) for i in range(0, len(data), rows)]
     out = np.empty_like(data)
-    times = [_best_s(lambda: np.copyto(out, data), repeats)]
-    for scatter_to, shm in ((None, True), (out, True), (out, False)):
-        out[:] = 0
-        times.append(_best_s(functools.partial(handoff, client, pieces, scatter_to, shm), repeats, client))
-        assert scatter_to is None or np.array_equal(out, data)
-    return [data.nbytes / t / 1e9 for t in times]
-
-
-def serve_store(memory_bytes: int, address_out: Connection, stop: Event) -> None:
-    """A store in its own process, as on a node (its Ray actor): sends its address, serves until `stop`."""
-    store = StateStore.from_config(StoreConfig(memory_bytes=memory_bytes))
-    server = StateStoreServer(store)
-    address_out.send(server.address)
-    stop.wait()
-    server.stop(grace_s=0)
-    store.close()
+    copy_s = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(out, data)
+        copy_s = min(copy_s, time.perf_counter() - start)
+    rates: list[float | None] = [data.nbytes / copy_s / 1e9]
+    for kind in TRANSPORTS:
+        if kind in kinds:
+            best_s = min(handoff(client, reader, pieces, kind) for _ in range(repeats))
+            rates.append(data.nbytes / best_s / 1e9)
+        else:
+            rates.append(None)
+    return rates
 
 
 def main() -> None:
@@ -124,25 +156,43 @@ def main() -> None:
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--piece-mib", type=float, default=2.0)
+    parser.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS)
     args = parser.parse_args()
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
     stop = context.Event()
-    store_process = context.Process(target=serve_store, args=(3 * max(args.sizes_mib) << 20, send, stop))
+    memory_bytes = 3 * max(args.sizes_mib) << 20
+    engine = "mooncake" if "mooncake" in args.transports else "none"
+    store_process = context.Process(target=serve_store, args=(memory_bytes, engine, send, stop))
     store_process.start()
-    client = StateStoreClient(receive.recv(), timeout_s=300)
-    assert client.local_arena() is not None, "no shared-memory arena: is /dev/shm there?"
-    print(
-        f"{'size':>8} {'memcpy':>7} {'shm':>6} {'':>5} {'shm+scatter':>11} {'':>5} {'gRPC':>6} {'':>5}  GB/s"
+    address = receive.recv()
+    if isinstance(address, ImportError):  # no mooncake here: run the others, say why
+        print(f"mooncake: n/a ({address})")
+        args.transports.remove("mooncake")
+        store_process.join()
+        store_process = context.Process(target=serve_store, args=(memory_bytes, "none", send, stop))
+        store_process.start()
+        address = receive.recv()
+    jobs, reader_end = context.Pipe()
+    reader_process = context.Process(
+        target=read_keys, args=(address, "mooncake" in args.transports, reader_end)
     )
+    reader_process.start()
+    client = StateStoreClient(address, timeout_s=300)
+    assert client.local_arena() is not None, "no shared-memory arena: is /dev/shm there?"
+    print(f"{'size':>8} {'memcpy':>7}" + "".join(f" {kind:>11} {'':>5}" for kind in TRANSPORTS) + "  GB/s")
     try:
         for mib in args.sizes_mib:
-            copy, shm, scatter, grpc_ = measure(client, mib, args.piece_mib, args.repeats)
-            print(
-                f"{mib:>5} MiB {copy:7.2f} {shm:6.2f} {shm / copy:5.0%} {scatter:11.2f} {scatter / copy:5.0%} "
-                f"{grpc_:6.2f} {grpc_ / copy:5.0%}"
+            copy, *rates = measure(client, jobs, mib, args.piece_mib, args.repeats, args.transports)
+            assert copy is not None
+            cells = "".join(
+                f" {rate:11.2f} {rate / copy:5.0%}" if rate is not None else f" {'n/a':>11} {'':>5}"
+                for rate in rates
             )
+            print(f"{mib:>5} MiB {copy:7.2f}{cells}")
     finally:
+        jobs.send(None)
+        reader_process.join(30)
         client.close()
         stop.set()
         store_process.join(30)

@@ -37,6 +37,7 @@ from state_store.store import StateStore
 SERVICE_NAME = store_pb2.DESCRIPTOR.services_by_name["StateStore"].full_name
 T = TypeVar("T")
 _ERRORS = (StateStoreError, ValueError)
+MAX_BATCH_CHUNKS = 1024  # region references per GetBatch message (~100 bytes each)
 
 
 class StateStoreServicer(store_pb2_grpc.StateStoreServicer):
@@ -63,33 +64,84 @@ class StateStoreServicer(store_pb2_grpc.StateStoreServicer):
         num_chunks = num_bytes = 0
         try:
             async for msg in request_iterator:
-                if self._faults is not None:
-                    arena = self.store.arena.directory if self.store.arena is not None else None
-                    if (fault := await self._faults.before_chunk(msg, arena)) is not None:
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, fault)
-                lease_s = msg.lease_s or None
-                if is_seal(msg):
-                    await self._run(self.store.seal, msg.key, owner=msg.owner)
-                    continue
-                if msg.region:
-                    meta = meta_from_proto(msg)
-                    # metadata only, under the store's lock for microseconds: no thread hop
-                    self.store.put_region(
-                        meta, msg.region, msg.region_offset, owner=msg.owner, lease_s=lease_s, final=msg.final
-                    )
-                    num_bytes += meta.num_bytes
-                else:
-                    chunk = chunk_from_proto(msg)
-                    await self._run(self.store.put, chunk, owner=msg.owner, lease_s=lease_s, final=msg.final)
-                    num_bytes += len(chunk.data)
-                num_chunks += 1
+                counted = await self._put_one(msg, context)
+                if counted is not None:
+                    num_chunks, num_bytes = num_chunks + 1, num_bytes + counted
         except _ERRORS as e:
             await abort_with_error_async(context, e)
         return store_pb2.PutResponse(num_chunks=num_chunks, num_bytes=num_bytes)
 
+    async def PutBatch(
+        self, request_iterator: AsyncIterator[store_pb2.StateChunks], context: grpc.aio.ServicerContext
+    ) -> store_pb2.PutResponse:
+        num_chunks = num_bytes = 0
+        try:
+            async for batch in request_iterator:
+                for msg in batch.chunks:
+                    counted = await self._put_one(msg, context)
+                    if counted is not None:
+                        num_chunks, num_bytes = num_chunks + 1, num_bytes + counted
+        except _ERRORS as e:
+            await abort_with_error_async(context, e)
+        return store_pb2.PutResponse(num_chunks=num_chunks, num_bytes=num_bytes)
+
+    async def _put_one(self, msg: common_pb2.StateChunk, context: grpc.aio.ServicerContext) -> int | None:
+        """Stores one Put message: its chunk's bytes, or None for a seal."""
+        if self._faults is not None:
+            arena = self.store.arena.directory if self.store.arena is not None else None
+            if (fault := await self._faults.before_chunk(msg, arena)) is not None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, fault)
+        lease_s = msg.lease_s or None
+        if is_seal(msg):
+            await self._run(self.store.seal, msg.key, owner=msg.owner)
+            return None
+        if msg.region:
+            meta = meta_from_proto(msg)
+            # metadata only, under the store's lock for microseconds: no thread hop
+            self.store.put_region(
+                meta, msg.region, msg.region_offset, owner=msg.owner, lease_s=lease_s, final=msg.final
+            )
+            return meta.num_bytes
+        chunk = chunk_from_proto(msg)
+        await self._run(self.store.put, chunk, owner=msg.owner, lease_s=lease_s, final=msg.final)
+        return len(chunk.data)
+
     async def Get(
         self, request: store_pb2.GetRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[common_pb2.StateChunk]:
+        try:
+            async with contextlib.aclosing(self._chunks(request, context)) as chunks:
+                async for msg in chunks:
+                    if msg is not None:
+                        yield msg
+        except _ERRORS as e:
+            await abort_with_error_async(context, e)
+
+    async def GetBatch(
+        self, request: store_pb2.GetRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[store_pb2.StateChunks]:
+        batch: list[common_pb2.StateChunk] = []
+        try:
+            async with contextlib.aclosing(self._chunks(request, context)) as chunks:
+                async for msg in chunks:
+                    if msg is not None and not msg.data and len(batch) < MAX_BATCH_CHUNKS:
+                        batch.append(msg)  # a region reference: goes with the others ready now
+                        continue
+                    if batch:
+                        yield store_pb2.StateChunks(chunks=batch)
+                        batch = []
+                    if msg is not None:
+                        yield store_pb2.StateChunks(chunks=[msg])  # bytes: alone, under the message limit
+            if batch:
+                yield store_pb2.StateChunks(chunks=batch)
+        except _ERRORS as e:
+            await abort_with_error_async(context, e)
+
+    async def _chunks(
+        self, request: store_pb2.GetRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.StateChunk | None]:
+        """The key's chunks as Get sends them, and None each time it is about to wait (what was
+        made so far should go out); raises the store's errors."""
         loop = asyncio.get_running_loop()
         changed = asyncio.Event()
         unwatch = self.store.watch(request.key, lambda: loop.call_soon_threadsafe(changed.set))
@@ -104,6 +156,7 @@ class StateStoreServicer(store_pb2_grpc.StateStoreServicer):
                 if step is True:
                     return
                 if step is None or step is False:
+                    yield None
                     await self._wait(changed, deadline, request.key, position)
                     continue
                 position += 1
@@ -117,8 +170,6 @@ class StateStoreServicer(store_pb2_grpc.StateStoreServicer):
                 else:  # a whole region piece, to a reader off the node: cut to fit gRPC messages
                     for chunk in await self._run(self._cut, step):
                         yield chunk_to_proto(chunk)
-        except _ERRORS as e:
-            await abort_with_error_async(context, e)
         finally:
             unwatch()
 

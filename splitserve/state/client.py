@@ -194,7 +194,7 @@ class StateStoreClient:
             regions=arena is not None,
         )
         deadline_s = None if timeout_s is None else timeout_s + DEADLINE_GRACE_S
-        return ChunkStream(self._stub.Get(request, timeout=deadline_s), arena)
+        return ChunkStream(self._stub.GetBatch(request, timeout=deadline_s), arena)
 
     def lookup(self, key: str) -> KeyInfo | None:
         reply = self._call(

@@ -15,6 +15,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from splitserve.state.errors import StateUnavailableError
 
 MAPPING_CACHE_BYTES = 1 << 30  # a client's mappings of a store's regions kept for reuse
@@ -138,7 +140,9 @@ class SlabWriter:
             self._view = self.arena.map(self._region, writable=True)
             offset = 0
         target = self._view[offset : offset + num_bytes]
-        target[:] = data
+        # numpy's copy releases the GIL (a memoryview slice assignment holds it for the whole
+        # copy), so the process's other threads (the gRPC sender, a reader) run alongside
+        np.copyto(np.frombuffer(target, np.uint8), np.frombuffer(data, np.uint8))
         self._used = offset + num_bytes
         return self._region, offset, target
 

@@ -22,7 +22,7 @@ from splitserve.state.shm import LocalArena, SlabWriter
 from splitserve.state.status import error_from_rpc
 from splitserve.state.transport import RemoteRegions
 from splitserve.state.wire import chunk_from_proto, chunk_to_proto, meta_from_proto, seal_message
-from splitserve.v1 import common_pb2, store_pb2_grpc
+from splitserve.v1 import common_pb2, store_pb2, store_pb2_grpc
 
 # (key, layer, kind, num_bytes) -> the name of a fresh region of the store's arena
 Allocator = Callable[[str, int, StateKind, int], str]
@@ -56,6 +56,8 @@ class StatePiece:
 
 
 _END = None  # queued last: the sending thread stops reading the queue
+BATCH_FLUSH_BYTES = 8 << 20  # a backlog of pieces is committed in messages of about this many bytes
+_READY = common_pb2.StateChunk()  # from `_messages`: nothing more is queued yet, send what was made
 
 
 class PutStream:
@@ -66,7 +68,8 @@ class PutStream:
     there too, never on the writer's thread. Chunks must belong to `key`. After `finish` or
     `cancel`, writes are dropped. With an `arena` and its `allocate`, `write_state` pieces go
     through shared memory (one copy each, several pieces per region: `SlabWriter`, whose first
-    region is `expected_bytes` if given); without, they are cut into chunks and sent as bytes.
+    region is `expected_bytes` if given) and are committed by reference, those ready together in
+    one PutBatch message (`_batches`); without, they are cut into chunks and sent as bytes.
     """
 
     def __init__(
@@ -91,7 +94,7 @@ class PutStream:
         self._seal = False
         self._error: BaseException | None = None
         self._closed = threading.Event()
-        self._call = stub.Put.future(self._messages())
+        self._call = stub.PutBatch.future(self._batches())
 
     def write(self, chunks: Iterable[Chunk]) -> None:
         """Queues `chunks` (a list, or a generator to run on the sending thread)."""
@@ -163,11 +166,44 @@ class PutStream:
             self._closed.set()
             self._queue.put(_END)
 
+    def _batches(self) -> Iterator[store_pb2.StateChunks]:
+        """`_messages` as PutBatch messages: the region commits (no bytes) and the seal that were
+        ready together go in one, so a backlog of pieces costs one message, not one each, while
+        a piece written alone still goes at once; a chunk carrying bytes goes alone."""
+        batch: list[common_pb2.StateChunk] = []
+        for msg in self._messages():
+            if msg is not _READY and not msg.data:
+                batch.append(msg)
+                continue
+            if batch:
+                yield store_pb2.StateChunks(chunks=batch)
+                batch = []
+            if msg is not _READY:
+                yield store_pb2.StateChunks(chunks=[msg])
+        if batch:
+            yield store_pb2.StateChunks(chunks=batch)
+
     def _messages(self) -> Iterator[common_pb2.StateChunk]:
+        """Each queued item's messages, then the seal; `_READY` whenever the queue is empty or
+        `BATCH_FLUSH_BYTES` were placed since the last (all made so far should go out now, so
+        a reader verifies and scatters them while later pieces are copied)."""
+        placed_bytes = 0
         try:
-            while (item := self._queue.get()) is not _END:
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    yield _READY
+                    placed_bytes = 0
+                    item = self._queue.get()
+                if item is _END:
+                    break
                 if isinstance(item, StatePiece):
                     yield from self._piece_messages(item)
+                    placed_bytes += memoryview(item.data).nbytes
+                    if placed_bytes >= BATCH_FLUSH_BYTES:
+                        yield _READY
+                        placed_bytes = 0
                 else:
                     for chunk in item:
                         yield chunk_to_proto(chunk, owner=self.owner, lease_s=self.lease_s)
@@ -211,7 +247,8 @@ class ChunkStream:
     (a damaged one raises `CorruptStateError` and is never handed out). `cancel`, from any thread,
     ends the RPC and the iteration quietly; other failures raise the store's errors.
 
-    With an `arena` (the Get asked for regions), a chunk in the store's arena comes as a
+    `call` is a GetBatch (several chunks per message). With an `arena` (the Get asked for
+    regions), a chunk in the store's arena comes as a
     read-only memoryview of its region: zero-copy, valid as long as it is referenced; or, read
     from another node through a transfer engine (`RemoteRegions`), as a buffer of its own."""
 
@@ -222,7 +259,7 @@ class ChunkStream:
 
     def __iter__(self) -> Iterator[Chunk]:
         try:
-            for msg in self._call:  # type: ignore[attr-defined]
+            for msg in self._messages():
                 if msg.region and self._arena is not None:
                     meta = meta_from_proto(msg)
                     chunk = Chunk(meta, self._arena.read(msg.region, msg.region_offset, meta.num_bytes))
@@ -239,3 +276,7 @@ class ChunkStream:
     def cancel(self) -> None:
         self.cancelled = True
         self._call.cancel()
+
+    def _messages(self) -> Iterator[common_pb2.StateChunk]:
+        for batch in self._call:  # type: ignore[attr-defined]
+            yield from batch.chunks

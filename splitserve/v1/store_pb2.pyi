@@ -7,6 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class StateChunks(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[_common_pb2.StateChunk]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[_common_pb2.StateChunk, _Mapping]]] = ...) -> None: ...
+
 class PutResponse(_message.Message):
     __slots__ = ("num_chunks", "num_bytes")
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]

@@ -41,10 +41,20 @@ class StateStoreStub:
                 request_serializer=splitserve_dot_v1_dot_common__pb2.StateChunk.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_store__pb2.PutResponse.FromString,
                 _registered_method=True)
+        self.PutBatch = channel.stream_unary(
+                '/splitserve.v1.StateStore/PutBatch',
+                request_serializer=splitserve_dot_v1_dot_store__pb2.StateChunks.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_store__pb2.PutResponse.FromString,
+                _registered_method=True)
         self.Get = channel.unary_stream(
                 '/splitserve.v1.StateStore/Get',
                 request_serializer=splitserve_dot_v1_dot_store__pb2.GetRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_common__pb2.StateChunk.FromString,
+                _registered_method=True)
+        self.GetBatch = channel.unary_stream(
+                '/splitserve.v1.StateStore/GetBatch',
+                request_serializer=splitserve_dot_v1_dot_store__pb2.GetRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_store__pb2.StateChunks.FromString,
                 _registered_method=True)
         self.Lookup = channel.unary_unary(
                 '/splitserve.v1.StateStore/Lookup',
@@ -95,9 +105,25 @@ class StateStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutBatch(self, request_iterator, context):
+        """Put, several chunks per message: a writer sends everything it has ready at once (the
+        shared-memory path commits each piece by reference, so messages, not bytes, are its cost).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Get(self, request, context):
         """Streams a key's chunks in arrival order, starting before the writer has finished and ending
         once the key is sealed (a chunk with final = true) and every chunk was sent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetBatch(self, request, context):
+        """Get, several chunks per message: the region references ready together travel in one
+        (chunks carrying bytes still go one per message).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -160,10 +186,20 @@ def add_StateStoreServicer_to_server(servicer, server):
                     request_deserializer=splitserve_dot_v1_dot_common__pb2.StateChunk.FromString,
                     response_serializer=splitserve_dot_v1_dot_store__pb2.PutResponse.SerializeToString,
             ),
+            'PutBatch': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutBatch,
+                    request_deserializer=splitserve_dot_v1_dot_store__pb2.StateChunks.FromString,
+                    response_serializer=splitserve_dot_v1_dot_store__pb2.PutResponse.SerializeToString,
+            ),
             'Get': grpc.unary_stream_rpc_method_handler(
                     servicer.Get,
                     request_deserializer=splitserve_dot_v1_dot_store__pb2.GetRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_common__pb2.StateChunk.SerializeToString,
+            ),
+            'GetBatch': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetBatch,
+                    request_deserializer=splitserve_dot_v1_dot_store__pb2.GetRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_store__pb2.StateChunks.SerializeToString,
             ),
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
@@ -240,6 +276,33 @@ class StateStore:
             _registered_method=True)
 
     @staticmethod
+    def PutBatch(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/splitserve.v1.StateStore/PutBatch',
+            splitserve_dot_v1_dot_store__pb2.StateChunks.SerializeToString,
+            splitserve_dot_v1_dot_store__pb2.PutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Get(request,
             target,
             options=(),
@@ -256,6 +319,33 @@ class StateStore:
             '/splitserve.v1.StateStore/Get',
             splitserve_dot_v1_dot_store__pb2.GetRequest.SerializeToString,
             splitserve_dot_v1_dot_common__pb2.StateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/splitserve.v1.StateStore/GetBatch',
+            splitserve_dot_v1_dot_store__pb2.GetRequest.SerializeToString,
+            splitserve_dot_v1_dot_store__pb2.StateChunks.FromString,
             options,
             channel_credentials,
             insecure,
