@@ -11,6 +11,7 @@ from splitserve.state.dtypes import DTYPE_ITEMSIZE
 # The dtypes a model may run in (torch's names), with their bytes per element from the one table.
 DTYPE_BYTES = {name: DTYPE_ITEMSIZE[name] for name in ("float32", "bfloat16", "float16")}
 DTYPES = tuple(DTYPE_BYTES)
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,11 @@ class EngineConfig:
     # ReplaySSM (engine/replay_ring.py): KDA decode reads a checkpoint + a ring of this many step
     # records and publishes them every window; 0: the plain recurrent path
     replay_window: int = 0
+    # how a decoding request that loses its KV room is preempted (engine/swap_space.py): "recompute"
+    # frees its state and computes prompt + outputs again; "swap" copies its state to a swap space
+    # (host memory of at most `swap_space_bytes`, or its node's store in a cluster) and back
+    preemption_mode: str = "recompute"
+    swap_space_bytes: int = 4 * 2**30
     # CUDA graphs for decode steps (engine/cuda_graph.py): one graph per batch-size bucket, captured
     # at start on a CUDA device; () picks 1, 2, 4, 8, 16, 24, ... up to max_num_seqs. A decode batch
     # of b rows replays the smallest bucket >= b, padded with rows that touch only a scratch KV row
@@ -81,6 +87,10 @@ class EngineConfig:
             )
         if self.replay_window < 0:
             raise ValueError(f"replay_window must be 0 (off) or a number of steps (got {self.replay_window})")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES} (got {self.preemption_mode!r})")
+        if self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes must be at least 0 (got {self.swap_space_bytes})")
         if self.snapshot_memory_bytes < 0:
             raise ValueError(f"snapshot_memory_bytes must be at least 0 (got {self.snapshot_memory_bytes})")
         sizes = tuple(sorted({int(b) for b in self.cuda_graph_batch_sizes}))

@@ -26,6 +26,7 @@ from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from splitserve.engine.state_transfer import LayerState, token_rows
 from splitserve.engine.stopping import check_stop
+from splitserve.engine.swap_space import SwapSpace, SwapStats, make_swapper
 from splitserve.engine.transfer_sink import TransferSink
 from splitserve.engine_config import EngineConfig
 from splitserve.sampling_params import SamplingParams
@@ -78,6 +79,7 @@ class LLMEngine:
         )
         self.caches = allocate_caches(self.plan, mc, self.device, scratch=self.padding is not None)
         self.replay = replay_publisher(self.caches, config, self.device)  # None: plain KDA decode
+        self.swapper = make_swapper(config, self.caches)  # None: preemption by recompute only
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -86,6 +88,7 @@ class LLMEngine:
                 block_size=config.block_size,
             ),
             *self._block_pool(),
+            swapper=self.swapper,
         )
         self.sampler = Sampler(mc.vocab_size, mc.eos_token_ids, device=self.device, base_seed=config.seed)
         self.runner = ModelRunner(
@@ -342,6 +345,20 @@ class LLMEngine:
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """The prefix cache's counters since start (all zero without caching)."""
         return self.prefix_cache.current_stats() if self.prefix_cache is not None else PrefixCacheStats()
+
+    def set_swap_space(self, space: SwapSpace) -> None:
+        """Swap preempted requests' states into `space` from now on (a cluster's decode worker
+        passes its node's store); only in swap mode, and only while no request is swapped out."""
+        if self.swapper is None:
+            raise ValueError("this engine preempts by recompute: set preemption_mode='swap' to swap")
+        if self.scheduler.swapped:
+            num = len(self.scheduler.swapped)
+            raise RuntimeError(f"{num} requests are swapped out: change the swap space when none is")
+        self.swapper.space = space
+
+    def swap_stats(self) -> SwapStats:
+        """The swapper's counters since start (all zero when preempting by recompute)."""
+        return self.swapper.stats if self.swapper is not None else SwapStats()
 
     @property
     def has_unfinished_requests(self) -> bool:

@@ -2,9 +2,12 @@
 
 One token budget (`max_num_batched_tokens`) covers decodes and prefill chunks alike, running
 requests first (oldest first), then waiting ones in arrival order. A request that cannot get
-the KV blocks it needs preempts the newest running request (recompute: its caches are freed
-and its tokens replayed later). A prefill chunk is as long as the budget left allows. The
-scheduler decides; it never touches tensors.
+the KV blocks it needs preempts the newest running request: by recompute (its caches are freed
+and its tokens replayed later) or, with a `Swapper` (engine/swap_space.py) and a request that is
+decoding, by swap (its state is copied out before its blocks and slot are freed, and scattered
+back into new ones when it is admitted again; a swap the space refuses or loses falls back to
+recompute). A prefill chunk is as long as the budget left allows. The scheduler decides; it
+never touches tensors.
 
 With a prefix cache (`engine.prefix_cache`), a request admitted from the queue starts at its hit
 (the cache copies what it needs into the request's own blocks and slot), its chunks end exactly at
@@ -23,6 +26,7 @@ from splitserve.engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from splitserve.engine.prefix_cache.cache import PrefixCache
+    from splitserve.engine.swap_space import Swapper
 
 
 @dataclass(frozen=True)
@@ -59,11 +63,14 @@ class Scheduler:
         blocks: BlockAllocator,
         slots: SlotAllocator,
         prefix_cache: PrefixCache | None = None,
+        swapper: Swapper | None = None,
     ) -> None:
         self.config = config
         self.blocks = blocks
         self.slots = slots
         self.prefix_cache = prefix_cache
+        self.swapper = swapper
+        self.swapped: set[str] = set()  # waiting requests whose state is in the swap space
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.reserved: dict[str, Request] = {}  # room held for requests whose state is arriving
@@ -104,13 +111,17 @@ class Scheduler:
             if self.slots.num_free_slots == 0:
                 break
             request.state_slot = self.slots.allocate()
-            if self.prefix_cache is not None:
+            swapped = request.request_id in self.swapped  # it resumes at its computed tokens
+            if self.prefix_cache is not None and not swapped:
                 self.prefix_cache.admit(request)  # starts it at its hit, plans its snapshots
             num_new = self._chunk_len(request, budget)
             if not self.reserve_blocks(request, num_new):
                 self.release(request)
-                request.num_computed_tokens = 0
+                if not swapped:
+                    request.num_computed_tokens = 0
                 break
+            if swapped and not self._swap_in(request):
+                continue  # its state is lost: it is admitted again as a fresh request, now
             if self.prefix_cache is not None:
                 self.prefix_cache.confirm(request)
             self.waiting.popleft()
@@ -144,6 +155,10 @@ class Scheduler:
     def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
         """Mark finished and free its blocks and slot (works for waiting and running requests).
         With a prefix cache, what a running request computed is retained first (unless aborted)."""
+        if request.request_id in self.swapped:  # it ends while waiting swapped out
+            self.swapped.discard(request.request_id)
+            assert self.swapper is not None
+            self.swapper.drop(request)
         if request.status is RequestStatus.RUNNING:
             if self.prefix_cache is not None and reason != "abort":
                 self.prefix_cache.retain_end(request)
@@ -176,15 +191,36 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        swapped = (
+            self.swapper is not None and self.swapper.swappable(request) and self.swapper.swap_out(request)
+        )
         self.release(request)
         request.status = RequestStatus.WAITING
+        if swapped:
+            self.swapped.add(request.request_id)  # keeps its progress and its snapshot plan
+        else:
+            self._restart(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _restart(self, request: Request) -> None:
+        """Forget what the request computed: it is recomputed from token 0 when admitted."""
         request.num_computed_tokens = 0
         if request.cache_state is not None:  # planned and indexed again from its hit when readmitted
             request.cache_state.boundaries = []
             request.cache_state.num_published_units = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(request)
+
+    def _swap_in(self, request: Request) -> bool:
+        """Scatter a swapped request's state into the blocks and slot just held for it; on a
+        loss, give them back and make it a fresh waiting request (still first in the queue)."""
+        assert self.swapper is not None
+        self.swapped.discard(request.request_id)
+        if self.swapper.swap_in(request):
+            return True
+        self.release(request)
+        self._restart(request)
+        return False
 
     def release(self, request: Request) -> None:
         """Give back its slot and its references to its blocks (a caching allocator keeps the
