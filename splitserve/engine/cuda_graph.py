@@ -50,14 +50,16 @@ class DecodeGraphs:
         self.device = device
         num_rows = max(padding.batch_sizes)
         self.max_blocks = -(-max_model_len // block_size)
-        long = dict(dtype=torch.long, device=device)
-        self.input_ids = torch.zeros(num_rows, **long)
-        self.positions = torch.zeros(num_rows, **long)
-        self.slots = torch.full((num_rows,), padding.scratch_slot, **long)
-        self.block_tables = torch.full((num_rows, self.max_blocks), padding.scratch_block, **long)
-        context = torch.arange(self.max_blocks * block_size, **long)
+        long = torch.long
+        self.input_ids = torch.zeros(num_rows, dtype=long, device=device)
+        self.positions = torch.zeros(num_rows, dtype=long, device=device)
+        self.slots = torch.full((num_rows,), padding.scratch_slot, dtype=long, device=device)
+        self.block_tables = torch.full(
+            (num_rows, self.max_blocks), padding.scratch_block, dtype=long, device=device
+        )
+        context = torch.arange(self.max_blocks * block_size, dtype=long, device=device)
         self._context_blocks, self._context_offsets = context // block_size, context % block_size
-        self._rows = torch.arange(num_rows, **long)
+        self._rows = torch.arange(num_rows, dtype=long, device=device)
         self._valid = torch.ones(num_rows, 1, dtype=torch.bool, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}

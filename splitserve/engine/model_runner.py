@@ -76,8 +76,8 @@ class ModelRunner:
         if bucket is not None and self.graphs is not None and not multis and not exporting:
             hidden = self.graphs.run([s.request for s in singles], bucket)
             if len(sampling) < len(singles):  # a one-token prompt chunk that is not its prompt's last
-                rows = [i for i, s in enumerate(singles) if s.samples]
-                hidden = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
+                sample_rows = [i for i, s in enumerate(singles) if s.samples]
+                hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
         else:
             num_padding = 0 if bucket is None else bucket - len(singles)
             if num_padding and self.caches.replay is not None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -35,16 +36,12 @@ def _params(num: int) -> list[SamplingParams]:
 def test_graph_replay_gives_the_eager_tokens_at_every_batch_size(tiny_model_path):
     # fp32: the same kernels and reduction order as eager, so tokens are exactly equal (a bf16 model's
     # greedy tokens may flip on a matmul's batch-size-dependent rounding, eager or not)
-    kwargs = dict(
-        model=str(tiny_model_path),
-        dtype="float32",
-        device="cuda",
-        max_model_len=256,
-        max_num_seqs=MAX_NUM_SEQS,
+    kwargs: dict[str, Any] = dict(
+        dtype="float32", device="cuda", max_model_len=256, max_num_seqs=MAX_NUM_SEQS
     )
-    eager = LLM(enforce_eager=True, **kwargs)
+    eager = LLM(str(tiny_model_path), enforce_eager=True, **kwargs)
     assert eager.engine.runner.graphs is None
-    graphed = LLM(**kwargs)
+    graphed = LLM(str(tiny_model_path), **kwargs)
     graphs = graphed.engine.runner.graphs
     assert graphs is not None, "decode CUDA graphs were refused or failed to capture: see the log"
     assert sorted(graphs.graphs) == [1, 2, 4, 8]
