@@ -12,6 +12,7 @@ from splitserve.worker.actor_base import WorkerActorBase
 
 if TYPE_CHECKING:  # the engine side is imported where the actor runs, not where it is named
     from decode_worker.replay_publisher import ReplayStorePublisher
+    from decode_worker.swap_space import StoreSwapSpace
     from splitserve.engine.prefix_store.publisher import PrefixPublisher
 
 
@@ -21,10 +22,12 @@ class DecodeWorkerActor(WorkerActorBase):
     role = "decode"
     prefix_publisher: PrefixPublisher | None = None  # with prefix caching on: set when started
     replay_publisher: ReplayStorePublisher | None = None  # with decode.replay_window > 0: set when started
+    swap_space: StoreSwapSpace | None = None  # with preemption_mode swap: set when started
 
     def register_services(self) -> Callable[[grpc.Server], None]:
         from decode_worker.replay_publisher import ReplayStorePublisher
         from decode_worker.servicer import DecodeServicer
+        from decode_worker.swap_space import attach_store_swap_space
         from splitserve.engine.prefix_store.publisher import PrefixPublisher
         from splitserve.v1 import decode_pb2_grpc
 
@@ -37,6 +40,8 @@ class DecodeWorkerActor(WorkerActorBase):
         )
         # a finished request's prompt + reply goes to the store: the conversation's next turn hits
         self.prefix_publisher = PrefixPublisher.attach(self.loop, self.worker_id, self.store_address)
+        # a swap-preempted request's state waits in the store, not in this process
+        self.swap_space = attach_store_swap_space(self.loop, self.worker_id, self.store_address)
         return lambda server: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
 
     def stats(self) -> dict[str, Any]:
@@ -44,6 +49,8 @@ class DecodeWorkerActor(WorkerActorBase):
         out["worker_id"] = self.worker_id  # the owner of the state it keeps in its store
         if self.replay_publisher is not None:  # what keeping state for failover costs
             out["replay"] = dataclasses.asdict(self.replay_publisher.stats)
+        if self.swap_space is not None:
+            out["swap_store"] = dataclasses.asdict(self.swap_space.stats)
         return out
 
     def shutdown(self, drain_timeout_s: float = 0.0) -> int:
@@ -54,4 +61,8 @@ class DecodeWorkerActor(WorkerActorBase):
         replay, self.replay_publisher = self.replay_publisher, None
         if replay is not None:
             replay.detach(self.loop)
-        return num_held + super().shutdown(0.0)
+        num_held += super().shutdown(0.0)
+        swap, self.swap_space = self.swap_space, None
+        if swap is not None:  # the loop has stopped: no step swaps any more
+            swap.close()
+        return num_held

@@ -6,6 +6,7 @@ The subclasses say which services they register. Plain classes: the controller a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -64,6 +65,8 @@ class WorkerActorBase:
                 "num_free_state_slots": sched.slots.num_free_slots,
                 "num_total_state_slots": engine.plan.num_slots,
                 "num_preemptions": sched.num_preemptions,
+                # swap preemption (engine/swap_space.py; zeros when preempting by recompute)
+                **{f"swap_{k}": v for k, v in dataclasses.asdict(engine.swap_stats()).items()},
             }
 
         return self.loop.call(read).result(timeout=30)
