@@ -69,6 +69,10 @@ class LocalArena:
         """The bytes of `region` at [offset, offset + num_bytes): a read-only view, no copy."""
         return self.map(region)[offset : offset + num_bytes]
 
+    def read_many(self, places: list[tuple[str, int, int]]) -> list[memoryview]:
+        """`read` of each (region, offset, num_bytes)."""
+        return [self.read(*place) for place in places]
+
     def _map(self, region: str, writable: bool) -> memoryview:
         path = self.directory / region
         try:

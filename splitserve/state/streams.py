@@ -259,12 +259,7 @@ class ChunkStream:
 
     def __iter__(self) -> Iterator[Chunk]:
         try:
-            for msg in self._messages():
-                if msg.region and self._arena is not None:
-                    meta = meta_from_proto(msg)
-                    chunk = Chunk(meta, self._arena.read(msg.region, msg.region_offset, meta.num_bytes))
-                else:
-                    chunk = chunk_from_proto(msg)
+            for chunk in self._chunks():
                 checksum.verify(chunk.data, chunk.meta.checksum, f"{chunk.meta.describe()} as received")
                 yield chunk
         except grpc.RpcError as e:
@@ -277,6 +272,13 @@ class ChunkStream:
         self.cancelled = True
         self._call.cancel()
 
-    def _messages(self) -> Iterator[common_pb2.StateChunk]:
+    def _chunks(self) -> Iterator[Chunk]:
+        """Each message's chunks, unverified; the region references of one message are read
+        together (one batch of a transfer engine)."""
         for batch in self._call:  # type: ignore[attr-defined]
-            yield from batch.chunks
+            in_regions = [msg for msg in batch.chunks if msg.region] if self._arena is not None else []
+            metas = [meta_from_proto(msg) for msg in in_regions]
+            places = [(msg.region, msg.region_offset, meta.num_bytes) for msg, meta in zip(in_regions, metas)]
+            read = iter(zip(metas, self._arena.read_many(places) if places else [], strict=True))
+            for msg in batch.chunks:
+                yield Chunk(*next(read)) if msg.region and self._arena is not None else chunk_from_proto(msg)

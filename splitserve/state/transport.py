@@ -62,6 +62,10 @@ class TransportClient(Protocol):
         serve that memory (released, store gone, unreachable)."""
         ...
 
+    def read_many(self, endpoint: str, places: list[tuple[int, int]]) -> list[memoryview]:
+        """`read` of each (address, num_bytes), all in one batch of the engine."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -115,15 +119,21 @@ class RemoteRegions:
 
     def read(self, region: str, offset: int, num_bytes: int) -> memoryview:
         """The bytes of `region` at [offset, offset + num_bytes), copied here (unverified)."""
+        return self.read_many([(region, offset, num_bytes)])[0]
+
+    def read_many(self, places: list[tuple[str, int, int]]) -> list[memoryview]:
+        """`read` of each (region, offset, num_bytes), in one batch of the engine."""
         with self._lock:
-            address = self._addresses.get(region)
-        if address is None:
-            found = self._locate([region])
-            if region not in found:
-                raise StateUnavailableError(
-                    f"region {region!r} of the store at {self.endpoint.address} is gone: its key was released"
-                )
-            address = found[region]
+            unknown = sorted({region for region, _, _ in places if region not in self._addresses})
+        if unknown:
+            found = self._locate(unknown)
             with self._lock:
-                self._addresses[region] = address
-        return self.client.read(self.endpoint.address, address + offset, num_bytes)
+                self._addresses.update(found)
+            if len(found) < len(unknown):
+                gone = sorted(set(unknown) - set(found))
+                raise StateUnavailableError(
+                    f"regions {gone} of the store at {self.endpoint.address} are gone: their key was released"
+                )
+        with self._lock:
+            wanted = [(self._addresses[region] + offset, n) for region, offset, n in places]
+        return self.client.read_many(self.endpoint.address, wanted)
