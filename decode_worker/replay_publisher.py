@@ -106,7 +106,7 @@ class ReplayStorePublisher:
         with self._wake:
             self._held[request_id] = held = _Held(state_key, [state_key])
             if base_states is not None:
-                self._tasks.append(lambda: self._write_base(held, base_states))
+                self._tasks.append(functools.partial(self._write_base, held, base_states))
             self._wake.notify()
 
     def end(self, request_id: str) -> None:
@@ -114,7 +114,7 @@ class ReplayStorePublisher:
         with self._wake:
             held = self._held.pop(request_id, None)
             if held is not None:
-                self._tasks.append(lambda: self._release(held.keys))
+                self._tasks.append(functools.partial(self._release, held.keys))
                 self._wake.notify()
 
     def offer(self, publish: ReplayPublish) -> bool:
@@ -144,7 +144,7 @@ class ReplayStorePublisher:
         """Release what every request still holds, stop the thread."""
         with self._wake:
             for held in self._held.values():
-                self._tasks.append(lambda keys=held.keys: self._release(keys))
+                self._tasks.append(functools.partial(self._release, held.keys))
             self._held.clear()
             self._pieces.clear()
             self._stopping = True

@@ -85,7 +85,7 @@ def read_stored_state(
 def _chain(client: StateStoreClient, state_key: str, start: int) -> list[tuple[str, int]]:
     """(key, end token) of each sealed piece chained from `start`, from the store's metadata only
     (a piece's end is its chunks' last token); stops at a missing or unsealed one."""
-    chain = []
+    chain: list[tuple[str, int]] = []
     while True:
         key = piece_key(state_key, start)
         info = client.lookup(key)

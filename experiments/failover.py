@@ -132,6 +132,7 @@ def _wait_restored(handle: ClusterHandle, killed: dict[str, Any], timeout_s: flo
 
 def probe(handle: ClusterHandle, prompt: list[int], max_tokens: int, tokens_before: int) -> Probe:
     url = handle.gateway_url
+    assert url is not None, "the deployment has no gateway"
     resumed_before = _resumed_by_method(url)
     tokens: list[int] = []
     times: list[float] = []

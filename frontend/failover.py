@@ -127,7 +127,7 @@ class DecodeFailover:
             try:
                 step = await gen.resume_elsewhere()
             except GatewayError as exc:
-                self._count("failed")
+                self._count("failed", gen.resume_method)
                 if exc.status_code not in (429, 503):  # a refusal retrying cannot change
                     raise
                 why = f"{lost.message}; then {exc.message}"

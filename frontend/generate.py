@@ -182,18 +182,21 @@ class Generation:
             stream.cancel()
         await self._release_decode()  # a room an earlier failed attempt still holds
         self._resumed = list(self._output.received_ids)
-        where, self._resume_from = self._resume_from, None
         lost = stream.address if stream is not None else None
-        if where is not None and (step := await self._resume_from_store(where, lost)) is not None:
+        if self._resume_from is not None:  # kept over attempts that found no worker to ask
             self.resume_method = METHOD_STORED
-            return step
+            step = await self._resume_from_store(self._resume_from, lost)
+            if step is not None:
+                return step
+            self._resume_from = None  # refused: re-prefill from here on
         self.resume_method = METHOD_REPREFILL
         return await self.start()
 
     async def _resume_from_store(self, where: decode_pb2.ResumeFrom, lost: str | None) -> Step | None:
         """Decode failover from stored state (frontend.failover): a Decode with `resume_from` on
         the first decode worker that answers; its first step, or None (counted) when the state
-        cannot be used, and the caller re-prefills."""
+        cannot be used, and the caller re-prefills. A 503 when no worker answered (the failover
+        backs off and tries again)."""
         request = decode_pb2.DecodeRequest(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_ids,
@@ -209,14 +212,17 @@ class Generation:
             self.p.router.on_decode_reserved(address)
             try:
                 delta = await read_delta(self._stream)
-            except WorkerLost:
-                await self._release_decode()
-                continue  # that worker is unreachable too: the next one
-            except GatewayError as exc:
+            except GatewayError as exc:  # the worker holds nothing of it: no Abort to send
+                self._stream.cancel()
+                self._stream = None
+                if isinstance(exc, WorkerLost):
+                    continue  # that worker is unreachable too: the next one
                 logger.info("request %s: not resumed from stored state: %s", self.request_id, exc.message)
-                await self._release_decode()
                 break
+            self._resume_from = None  # the new stream's first delta names the new place
             return await self._take(delta)
+        else:
+            raise unavailable("no decode worker could be reached to resume from the stored state")
         self._failover.stored_state_failed()
         return None
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -46,11 +47,11 @@ def offline(engine_config) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def workers(engine_config, store_server) -> Iterator[dict[str, DecodeWorkerActor | PrefillWorkerActor]]:
+def workers(engine_config, store_server) -> Iterator[dict[str, Any]]:
     """A prefill worker and two decode workers publishing every WINDOW tokens, one store."""
     _, store_address = store_server
     replay = engine_config.replace(replay_window=WINDOW)
-    workers = {
+    workers: dict[str, Any] = {
         "prefill": PrefillWorkerActor(engine_config, store_address),
         "a": DecodeWorkerActor(replay, store_address),
         "b": DecodeWorkerActor(replay, store_address),
