@@ -159,6 +159,11 @@ class PoolConfig(_Section):
     max_num_seqs: int = Field(default=64, ge=1)
     kv_cache_memory_bytes: ByteSize = 256 * 2**20
     block_size: int = Field(default=16, ge=1)
+    # how a decoding request that runs out of KV blocks is preempted: recompute (its state is freed,
+    # prompt + outputs computed again) or swap (its state waits in the node's store, or for a
+    # colocated worker in `swap_space_bytes` of host memory, and is copied back: no recompute)
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    swap_space_bytes: ByteSize = 4 * 2**30
     # what `config plan` and `up` check the weights, cache and activations against (one GPU, or
     # the host's RAM for a CPU pool); None: the device visible where the plan is made
     device_memory_bytes: ByteSize | None = None
@@ -337,6 +342,8 @@ class ClusterConfig(_Section):
             max_num_batched_tokens=section.max_num_batched_tokens,
             kv_cache_memory_bytes=section.kv_cache_memory_bytes,
             block_size=section.block_size,
+            preemption_mode=section.preemption_mode,
+            swap_space_bytes=section.swap_space_bytes,
             max_model_len=self.model.max_model_len,
             num_threads=None if on_gpu else max(1, int(section.num_cpus)),
             enable_prefix_caching=self.cache.enable_prefix_caching,
