@@ -212,12 +212,15 @@ class DecodePoolConfig(PoolConfig):
     """The decode pool: a `PoolConfig` plus what only decode workers do.
 
     `failover`: when a decode worker is lost mid-stream, the gateway resumes each of its
-    requests on another worker (re-prefill of prompt + the tokens already sent; the stream goes
-    on with no token repeated or missing); false ends those streams with a 503 error event.
+    requests on another worker (from the lost worker's stored state when it kept one, else by
+    re-prefill of prompt + the tokens already sent; the stream goes on with no token repeated or
+    missing); false ends those streams with a 503 error event.
     `replay_window`: KDA decode in ReplaySSM form with a ring of this many step records
-    (engine/replay_ring.py); 0 (the default) runs the plain recurrent path. Off by default until a
-    decode worker publishes the records to its store for failover to resume from: until then the
-    rings cost decode time (about 13% of a tiny model's step on a CPU) and nothing reads them.
+    (engine/replay_ring.py); each decode worker then keeps every request's state in its node's
+    store as it decodes (prompt state + a piece every window, decode_worker/replay_publisher.py),
+    and a failover resumes from it, recomputing fewer than this many tokens. 0 (the default) runs
+    the plain recurrent path and failover re-prefills: on a CPU the rings cost about 20% of a
+    tiny model's decode step (docs/PERFORMANCE.md sections 7 and 8).
     """
 
     failover: bool = True
