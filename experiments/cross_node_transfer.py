@@ -37,7 +37,7 @@ import numpy as np
 import ray
 from ray.cluster_utils import Cluster
 
-from splitserve.state import StateKind
+from experiments.state_transfer import layer_pieces, put_pieces
 from splitserve.state.client import StateStoreClient
 from state_store.config import StoreConfig
 from state_store.server import StateStoreServer
@@ -74,25 +74,10 @@ class Writer:
     def write(self, address: str, key: str, mib: int, piece_mib: float, shared_memory: bool) -> float:
         """Puts `mib` MiB under `key` (arena or bytes); returns the wall time it started."""
         client = self._clients.setdefault(address, StateStoreClient(address, timeout_s=300))
-        pieces = self._pieces.get((mib, piece_mib))
-        if pieces is None:
-            data = np.random.default_rng(mib).standard_normal(mib << 18).astype(np.float32)
-            rows = max(128, int(piece_mib * (1 << 18)) // 128 * 128)
-            pieces = [data[i : i + rows].reshape(-1, 128) for i in range(0, len(data), rows)]
-            self._pieces = {(mib, piece_mib): pieces}
+        if (mib, piece_mib) not in self._pieces:
+            self._pieces = {(mib, piece_mib): layer_pieces(mib, piece_mib)}
         start = time.time()
-        put = client.open_put(key, owner="bench", shared_memory=shared_memory, expected_bytes=mib << 20)
-        for layer, piece in enumerate(pieces):
-            put.write_state(
-                layer,
-                StateKind.KDA_RECURRENT,
-                piece.data,
-                dtype="float32",
-                shape=piece.shape,
-                token_start=0,
-                token_end=1,
-            )
-        put.finish(timeout_s=300)
+        put_pieces(client, key, self._pieces[(mib, piece_mib)], shared_memory)
         return start
 
     def release(self, address: str, key: str) -> None:

@@ -96,15 +96,17 @@ def read_keys(address: str, use_mooncake: bool, jobs: Connection) -> None:
     client.close()
 
 
-def handoff(client: StateStoreClient, reader: Connection, pieces: list[np.ndarray], kind: str) -> float:
-    """One request's handoff over `kind`; seconds from the writer's first piece until the reader
-    said it held them all. Releases the key afterwards (untimed, as a decode does after use)."""
-    key = f"bench-{next(_keys)}"
+def layer_pieces(mib: int, piece_mib: float) -> list[np.ndarray]:
+    """`mib` MiB of fp32 state (seeded by the size) in pieces of about `piece_mib` MiB (rows of 128)."""
+    data = np.random.default_rng(mib).standard_normal(mib << 18).astype(np.float32)
+    rows = max(128, int(piece_mib * (1 << 18)) // 128 * 128)
+    return [data[i : i + rows].reshape(-1, 128) for i in range(0, len(data), rows)]
+
+
+def put_pieces(client: StateStoreClient, key: str, pieces: list[np.ndarray], shared_memory: bool) -> None:
+    """Puts `pieces` under `key` as a prefill does (one `write_state` per layer, then `finish`)."""
     num_bytes = sum(p.nbytes for p in pieces)
-    reader.send((key, kind, num_bytes))
-    assert reader.recv() == "ready"
-    start = time.perf_counter()
-    put = client.open_put(key, owner="bench", shared_memory=kind != "gRPC", expected_bytes=num_bytes)
+    put = client.open_put(key, owner="bench", shared_memory=shared_memory, expected_bytes=num_bytes)
     for layer, piece in enumerate(pieces):
         put.write_state(
             layer,
@@ -116,6 +118,17 @@ def handoff(client: StateStoreClient, reader: Connection, pieces: list[np.ndarra
             token_end=1,
         )
     put.finish(timeout_s=300)
+
+
+def handoff(client: StateStoreClient, reader: Connection, pieces: list[np.ndarray], kind: str) -> float:
+    """One request's handoff over `kind`; seconds from the writer's first piece until the reader
+    said it held them all. Releases the key afterwards (untimed, as a decode does after use)."""
+    key = f"bench-{next(_keys)}"
+    num_bytes = sum(p.nbytes for p in pieces)
+    reader.send((key, kind, num_bytes))
+    assert reader.recv() == "ready"
+    start = time.perf_counter()
+    put_pieces(client, key, pieces, shared_memory=kind != "gRPC")
     done, received = reader.recv()
     elapsed_s = time.perf_counter() - start
     scattered = reader.recv()
@@ -130,9 +143,8 @@ def measure(
     client: StateStoreClient, reader: Connection, mib: int, piece_mib: float, repeats: int, kinds: list[str]
 ) -> list[float | None]:
     """GB/s of memcpy, then of each of TRANSPORTS (None: not run) for `mib` MiB."""
-    data = np.random.default_rng(mib).standard_normal(mib << 18).astype(np.float32)
-    rows = max(128, int(piece_mib * (1 << 18)) // 128 * 128)
-    pieces = [data[i : i + rows].reshape(-1, 128) for i in range(0, len(data), rows)]
+    pieces = layer_pieces(mib, piece_mib)
+    data = np.concatenate([p.reshape(-1) for p in pieces])
     out = np.empty_like(data)
     copy_s = float("inf")
     for _ in range(repeats):
