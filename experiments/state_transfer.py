@@ -92,7 +92,7 @@ def read_keys(address: str, use_mooncake: bool, jobs: Connection) -> None:
                 out[start:end] = np.frombuffer(chunk.data, np.uint8)
             start = end
         jobs.send(("done", start))
-        jobs.send(checksum.compute(out[:num_bytes]) if kind != "shm" else None)
+        jobs.send(checksum.compute(out[:num_bytes].data) if kind != "shm" else None)
     client.close()
 
 
@@ -134,7 +134,9 @@ def handoff(client: StateStoreClient, reader: Connection, pieces: list[np.ndarra
     scattered = reader.recv()
     assert done == "done" and received == num_bytes, (done, received, num_bytes)
     whole = np.concatenate([p.reshape(-1) for p in pieces]).view(np.uint8)
-    assert scattered is None or scattered == checksum.compute(whole), f"{kind}: the reader's copy differs"
+    assert scattered is None or scattered == checksum.compute(whole.data), (
+        f"{kind}: the reader's copy differs"
+    )
     client.release(key)
     return elapsed_s
 

@@ -90,9 +90,10 @@ class Arena:
         Idempotent. Raises ImportError naming the extra when the engine is not installed."""
         with self._lock:
             if self._transport is None and self.transfer_engine != "none":
-                self._transport = open_server(self.transfer_engine, host)
+                transport = self._transport = open_server(self.transfer_engine, host)
+                assert transport is not None  # only "none" has no server
                 for name, view in self._mapped.items():
-                    self._addresses[name] = self._transport.register(view)
+                    self._addresses[name] = transport.register(view)
             return None if self._transport is None else self._transport.endpoint
 
     @property

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import Executor
 from typing import Any, TypeVar
 
@@ -139,7 +139,7 @@ class StateStoreServicer(store_pb2_grpc.StateStoreServicer):
 
     async def _chunks(
         self, request: store_pb2.GetRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[common_pb2.StateChunk | None]:
+    ) -> AsyncGenerator[common_pb2.StateChunk | None, None]:
         """The key's chunks as Get sends them, and None each time it is about to wait (what was
         made so far should go out); raises the store's errors."""
         loop = asyncio.get_running_loop()

@@ -275,10 +275,11 @@ class ChunkStream:
     def _chunks(self) -> Iterator[Chunk]:
         """Each message's chunks, unverified; the region references of one message are read
         together (one batch of a transfer engine)."""
+        arena = self._arena
         for batch in self._call:  # type: ignore[attr-defined]
-            in_regions = [msg for msg in batch.chunks if msg.region] if self._arena is not None else []
+            in_regions = [msg for msg in batch.chunks if msg.region] if arena is not None else []
             metas = [meta_from_proto(msg) for msg in in_regions]
             places = [(msg.region, msg.region_offset, meta.num_bytes) for msg, meta in zip(in_regions, metas)]
-            read = iter(zip(metas, self._arena.read_many(places) if places else [], strict=True))
+            read = iter(zip(metas, arena.read_many(places) if arena is not None and places else [], strict=True))
             for msg in batch.chunks:
-                yield Chunk(*next(read)) if msg.region and self._arena is not None else chunk_from_proto(msg)
+                yield Chunk(*next(read)) if msg.region and arena is not None else chunk_from_proto(msg)

@@ -185,7 +185,7 @@ class MooncakeClient:
                     f"mooncake read of {sum(lengths)} bytes in {len(todo)} pieces from the store at {endpoint} "
                     f"failed (status {status}): a region was released, or the store is gone or unreachable"
                 )
-        return [memoryview(piece).toreadonly() for piece, _ in pieces]
+        return [piece.data.toreadonly() for piece, _ in pieces]
 
     def close(self) -> None:
         """Nothing to free: the engine stops with the process, the slabs with their pieces."""
