@@ -16,6 +16,7 @@ from decode_worker.swap_space import StoreSwapSpace
 from splitserve import LLM
 from splitserve.engine.model_config import KimiLinearModelConfig
 from splitserve.engine.state_transfer import LayerState
+from splitserve.engine.swap_space import SwapStats
 from splitserve.engine_config import EngineConfig
 from splitserve.state.client import StateStoreClient
 from splitserve.tiny_model import make_tiny_model
@@ -85,43 +86,39 @@ def _generate(llm: LLM, prompts, params) -> list[list[int]]:
     ]
 
 
+def _swap_through(
+    path, prompts, address: str, params, space_type: type[StoreSwapSpace] = StoreSwapSpace
+) -> tuple[StoreSwapSpace, SwapStats, list[list[int]]]:
+    """Generate on a tight swap-mode engine whose swap space is the store at `address`."""
+    with StateStoreClient(address) as client:
+        space = space_type(client, OWNER)
+        llm = _swap_llm(path, space)
+        return space, llm.engine.swap_stats(), _generate(llm, prompts, params)
+
+
 @pytest.mark.parametrize("kind", ["greedy", "seeded"])
 def test_swapping_through_the_store_gives_the_unpreempted_tokens(
-    tiny_model_path,
-    prompts,
-    unpreempted,
-    store,
-    kind,
+    tiny_model_path, prompts, unpreempted, store, kind
 ):
     stored, address = store
-    with StateStoreClient(address) as client:
-        space = StoreSwapSpace(client, OWNER)
-        llm = _swap_llm(tiny_model_path, space)
-        tokens = _generate(llm, prompts, _greedy() if kind == "greedy" else _seeded())
-        stats = llm.engine.swap_stats()
-        assert stats.num_swapped_out > 0 and stats.num_recompute_fallbacks == 0
-        assert space.stats.num_puts == space.stats.num_takes == stats.num_swapped_in == stats.num_swapped_out
-        assert space.stats.num_bytes == stats.num_swap_out_bytes
-        assert tokens == unpreempted[kind]
-        assert stored.stats().num_keys == 0  # every swapped state was released once read back
+    params = _greedy() if kind == "greedy" else _seeded()
+    space, stats, tokens = _swap_through(tiny_model_path, prompts, address, params)
+    assert stats.num_swapped_out > 0 and stats.num_recompute_fallbacks == 0
+    assert space.stats.num_puts == space.stats.num_takes == stats.num_swapped_in == stats.num_swapped_out
+    assert space.stats.num_bytes == stats.num_swap_out_bytes
+    assert tokens == unpreempted[kind]
+    assert stored.stats().num_keys == 0  # every swapped state was released once read back
 
 
 def test_a_state_the_store_lost_is_recomputed_with_the_same_tokens(
-    tiny_model_path,
-    prompts,
-    unpreempted,
-    store,
+    tiny_model_path, prompts, unpreempted, store
 ):
     stored, address = store
-    with StateStoreClient(address) as client:
-        space = LosingStore(client, OWNER)
-        llm = _swap_llm(tiny_model_path, space)
-        tokens = _generate(llm, prompts, _seeded())
-        stats = llm.engine.swap_stats()
-        assert space.num_lost > 0 and space.stats.num_take_failures == space.num_lost
-        assert stats.num_recompute_fallbacks == space.num_lost
-        assert tokens == unpreempted["seeded"]
-        assert stored.stats().num_keys == 0
+    space, stats, tokens = _swap_through(tiny_model_path, prompts, address, _seeded(), LosingStore)
+    assert isinstance(space, LosingStore) and space.num_lost > 0
+    assert space.stats.num_take_failures == stats.num_recompute_fallbacks == space.num_lost
+    assert tokens == unpreempted["seeded"]
+    assert stored.stats().num_keys == 0
 
 
 def test_a_store_that_refuses_puts_costs_a_recompute(tiny_model_path, prompts, unpreempted):
