@@ -18,7 +18,7 @@ from splitserve.engine.llm_engine import RequestUpdate
 from splitserve.rpc import abort
 from splitserve.state.client import StateStoreClient
 from splitserve.state.errors import CorruptStateError, StateStoreError
-from splitserve.state.transport import TransportClient
+from splitserve.state.transport import TransportClient, open_client
 from splitserve.v1 import decode_pb2, decode_pb2_grpc
 from splitserve.wire import logprobs_from_proto, sampling_params_from_proto
 from splitserve.worker.load import decode_stats
@@ -47,21 +47,25 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.store_address = store_address
         self.store = StateStoreClient(store_address, timeout_s=10.0)
         self._sources: dict[str, StateStoreClient] = {}  # other nodes' stores read from (one hop)
-        # A transfer engine's reader (store.transfer_engine) for other nodes' stores: the seam for
-        # Mooncake; None (not set by the actor yet) reads them as streamed gRPC bytes.
+        # A transfer engine's reader for other nodes' stores, opened at the first cross-node
+        # reservation when this node's store serves one (store.transfer_engine); None: gRPC bytes.
         self.transport: TransportClient | None = None
+        self._transport_checked = False
+        self._transport_lock = threading.Lock()
         self.state_timeout_s = state_timeout_s
         self._readers: dict[str, StateReader] = {}
         self._lock = threading.Lock()
         self.kept = KeptStreams(loop, worker_id, self.store, publisher, state_timeout_s)
 
     def close(self) -> None:
-        """Close the channels to this node's store and the stores read from."""
+        """Close the channels to this node's store and the stores read from, and the transport."""
         self.store.close()
         with self._lock:
             sources, self._sources = list(self._sources.values()), {}
         for source in sources:
             source.close()
+        if self.transport is not None:
+            self.transport.close()
 
     def _source(self, address: str) -> StateStoreClient:
         """The client of the store a reservation's state is written to (empty: this node's)."""
@@ -71,6 +75,27 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             if address not in self._sources:
                 self._sources[address] = StateStoreClient(address, timeout_s=10.0)
             return self._sources[address]
+
+    def _cross_node_transport(self) -> TransportClient | None:
+        """The reader of the transfer engine the cluster's stores serve (asked of this node's
+        store once); None, and cross-node state comes as gRPC bytes, when it is "none" or its
+        extra cannot load here (said once in the log). A store serving another engine, or none,
+        still answers with bytes (`StateStoreClient.get`)."""
+        with self._transport_lock:
+            if self._transport_checked:
+                return self.transport
+            try:
+                engine = self.store.transfer_engine()
+                if engine != "none":
+                    host = self.store_address.rsplit(":", 1)[0]  # this node's address
+                    self.transport = open_client(engine, host)
+                self._transport_checked = True
+            except ImportError as exc:
+                self._transport_checked = True
+                logger.warning("cross-node state will come as gRPC bytes: no transfer engine (%s)", exc)
+            except StateStoreError as exc:  # this node's store did not answer: asked again next time
+                logger.warning("cross-node state comes as gRPC bytes for now: %s", exc)
+            return self.transport
 
     def Reserve(
         self, request: decode_pb2.ReserveRequest, context: grpc.ServicerContext
@@ -89,7 +114,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         source = self._source(request.source_store_address)
         # the arena only of this node's store: another node's state comes over the network
         shared = None if source is self.store else False
-        transport = None if source is self.store else self.transport
+        transport = None if source is self.store else self._cross_node_transport()
         reader = StateReader(
             sink, source, rid, key, timeout_s, self._free_room, shared_memory=shared, transport=transport
         )

@@ -66,6 +66,12 @@ class StateStoreClient:
             self._arena_checked = True
         return self._arena
 
+    def transfer_engine(self) -> str:
+        """The transfer engine the store serves its arena with ("none": readers off its node get
+        bytes over gRPC)."""
+        info = self._call(lambda: self._stub.Arena(store_pb2.ArenaRequest(), timeout=self.timeout_s))
+        return info.transfer_engine or "none"
+
     def remote_regions(self, transport: TransportClient) -> RemoteRegions | None:
         """The store's arena as `transport` reads it from this node, or None when the store
         serves it with no transfer engine or another one (then the bytes come over gRPC)."""
