@@ -24,6 +24,7 @@ from splitserve.state.client import StateStoreClient
 from splitserve.state.errors import CorruptStateError, StateUnavailableError
 from splitserve.state.transport import TransportClient, open_client
 from state_store.arena import Arena
+from state_store.config import StoreConfig
 from state_store.memory_tier import MemoryTier
 from state_store.server import StateStoreServer
 from state_store.store import StateStore
@@ -146,3 +147,20 @@ def test_a_region_released_meanwhile_fails_closed(
                 checksum.verify(stale, first.meta.checksum, "a released region")
         with pytest.raises(StateUnavailableError):  # and the key itself is gone
             list(client.get("req", timeout_s=WAIT_S, shared_memory=False, transport=reader))
+
+
+def test_the_store_actor_serves_its_arena_with_the_configured_engine(reader: TransportClient) -> None:
+    """store.transfer_engine reaches the store's server (the deployment's path, run in-process)."""
+    from state_store.actor import StateStoreActor
+
+    actor = StateStoreActor(16 << 20, transfer_engine="mooncake")
+    try:
+        with StateStoreClient(actor.start("127.0.0.1"), timeout_s=WAIT_S) as client:
+            regions = client.remote_regions(reader)
+            assert regions is not None and regions.endpoint.address.startswith("127.0.0.1:")
+            _write_layers(client, "req", [np.arange(1000, dtype=np.float32)], shared_memory=True)
+            (chunk,) = client.get("req", timeout_s=WAIT_S, shared_memory=False, transport=reader)
+            assert np.array_equal(np.frombuffer(chunk.data, np.float32), np.arange(1000, dtype=np.float32))
+    finally:
+        actor.shutdown()
+    assert StoreConfig().transfer_engine == "none"  # the default: readers elsewhere get bytes over gRPC
