@@ -57,6 +57,7 @@ class StatePiece:
 
 _END = None  # queued last: the sending thread stops reading the queue
 BATCH_FLUSH_BYTES = 8 << 20  # a backlog of pieces is committed in messages of about this many bytes
+BATCH_MAX_CHUNKS = 1024  # and at most this many commits (~100 bytes each) per message
 _READY = common_pb2.StateChunk()  # from `_messages`: nothing more is queued yet, send what was made
 
 
@@ -185,25 +186,27 @@ class PutStream:
 
     def _messages(self) -> Iterator[common_pb2.StateChunk]:
         """Each queued item's messages, then the seal; `_READY` whenever the queue is empty or
-        `BATCH_FLUSH_BYTES` were placed since the last (all made so far should go out now, so
+        `BATCH_FLUSH_BYTES` (or `BATCH_MAX_CHUNKS` pieces) were placed since the last (all made
+        so far should go out now, so
         a reader verifies and scatters them while later pieces are copied)."""
-        placed_bytes = 0
+        placed_bytes = num_placed = 0
         try:
             while True:
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     yield _READY
-                    placed_bytes = 0
+                    placed_bytes = num_placed = 0
                     item = self._queue.get()
                 if item is _END:
                     break
                 if isinstance(item, StatePiece):
                     yield from self._piece_messages(item)
                     placed_bytes += memoryview(item.data).nbytes
-                    if placed_bytes >= BATCH_FLUSH_BYTES:
+                    num_placed += 1
+                    if placed_bytes >= BATCH_FLUSH_BYTES or num_placed >= BATCH_MAX_CHUNKS:
                         yield _READY
-                        placed_bytes = 0
+                        placed_bytes = num_placed = 0
                 else:
                     for chunk in item:
                         yield chunk_to_proto(chunk, owner=self.owner, lease_s=self.lease_s)
@@ -280,6 +283,8 @@ class ChunkStream:
             in_regions = [msg for msg in batch.chunks if msg.region] if arena is not None else []
             metas = [meta_from_proto(msg) for msg in in_regions]
             places = [(msg.region, msg.region_offset, meta.num_bytes) for msg, meta in zip(in_regions, metas)]
-            read = iter(zip(metas, arena.read_many(places) if arena is not None and places else [], strict=True))
+            read = iter(
+                zip(metas, arena.read_many(places) if arena is not None and places else [], strict=True)
+            )
             for msg in batch.chunks:
                 yield Chunk(*next(read)) if msg.region and arena is not None else chunk_from_proto(msg)
