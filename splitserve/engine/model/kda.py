@@ -88,7 +88,7 @@ class KimiDeltaAttention(nn.Module):
         q = l2norm(q) * (hd**-0.5)
         k = l2norm(k)
         g = self.f_b_proj(f_a).float().view(-1, nh, hd) + self.dt_bias.float().view(nh, hd)
-        g = -self.decay_rate * torch.where(g > 20.0, g, torch.log1p(torch.exp(g)))
+        g = F.softplus(g, threshold=20.0).mul_(-self.decay_rate)  # log1p(exp(g)), g itself above 20
         beta = torch.sigmoid(b_logit).float()
         core = torch.empty_like(v)
         if batch.single is not None:
@@ -107,9 +107,9 @@ class KimiDeltaAttention(nn.Module):
         return self.o_proj(out)
 
     def _conv_step(self, x: torch.Tensor, group: TokenGroup, conv_state: torch.Tensor) -> torch.Tensor:
-        slots = group.state_slots
-        window = torch.cat([conv_state[slots], x.unsqueeze(-1)], dim=-1)  # [N, C, K]
-        conv_state[slots] = window[:, :, 1:]
+        slots = group.state_slots  # index_select / index_copy_: the fast CPU row gather and scatter
+        window = torch.cat([conv_state.index_select(0, slots), x.unsqueeze(-1)], dim=-1)  # [N, C, K]
+        conv_state.index_copy_(0, slots, window[:, :, 1:])
         return F.silu((window * self.conv_weight).sum(-1))
 
     def _conv_chunk(
@@ -139,8 +139,9 @@ class KimiDeltaAttention(nn.Module):
         slots = group.state_slots
         if kda_backend(q.device) == "torch":  # packed chunks: no padding to the longest row
             starts = group.token_index[:, 0].tolist()
-            state = kda_prefill_varlen(q, k, v, g, beta, recurrent_state[slots], starts, group.lengths, out)
-            recurrent_state[slots] = state
+            state = recurrent_state.index_select(0, slots)
+            state = kda_prefill_varlen(q, k, v, g, beta, state, starts, group.lengths, out)
+            recurrent_state.index_copy_(0, slots, state)
             return
         idx, valid = group.token_index, group.valid
         mask = valid.unsqueeze(-1).unsqueeze(-1)

@@ -122,9 +122,9 @@ def kda_decode_into(
     step moves each state once instead of gathering a copy and scattering it back.
     """
     if kda_backend(q.device) == "torch":
-        state = state_pool[slots]  # a gathered copy, updated in place, then written back
+        state = state_pool.index_select(0, slots)  # a gathered copy, updated in place, then written back
         out = kda_recurrent_step_(q, k, v, g, beta, state)
-        state_pool[slots] = state
+        state_pool.index_copy_(0, slots, state)
         return out
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
