@@ -356,6 +356,7 @@ class ClusterConfig(_Section):
             snapshot_memory_bytes=self.cache.snapshot_memory_bytes,
             prefix_salt=self.model.served_name,  # the gateway's salt: engines name what they retain alike
             replay_window=getattr(section, "replay_window", 0),  # a decode pool's key only
+            enforce_eager=self.pool_role(pool) == "prefill",  # never runs a decode-only step: no graphs
         )
 
     def to_yaml(self) -> str:

@@ -119,6 +119,14 @@ def test_prefix_caching_is_on_by_default_and_off_when_asked(tmp_path):
     assert not config.engine_config("decode", model_path="m").enable_prefix_caching
 
 
+def test_only_pools_that_decode_may_capture_cuda_graphs():
+    config = default_config()
+    assert config.engine_config("prefill", model_path="m").enforce_eager
+    assert not config.engine_config("decode", model_path="m").enforce_eager
+    colocated = ClusterConfig(mode="colocated")
+    assert not colocated.engine_config(colocated.pool_names[0], model_path="m").enforce_eager
+
+
 def test_a_prefix_unit_must_be_whole_blocks_of_every_pool(tmp_path):
     message = error_of(tmp_path, "cache: {prefix_unit: 48}\ndecode: {block_size: 32}")
     assert "cache.prefix_unit: must be a multiple of decode.block_size (32; got 48)" in message
