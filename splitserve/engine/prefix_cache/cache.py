@@ -93,9 +93,11 @@ class PrefixCache:
             request.prefix_hashes = list(prefix_hashes)
         if imported is None:
             return
-        n = imported.num_tokens
+        n, start = imported.num_tokens, imported.token_start
         if not 0 < n <= request.num_prompt_tokens:
             raise ValueError(f"imported prefix has {n} tokens; the prompt has {request.num_prompt_tokens}")
+        if not 0 <= start < n:
+            raise ValueError(f"imported prefix starts at token {start}; it must be in [0, {n})")
         chain = self.naming.chain(request, n)
         if imported.hash_chain != chain[: n // self.unit]:
             raise ValueError(
@@ -107,10 +109,15 @@ class PrefixCache:
         for state in imported.states:
             cache_for(self.caches, state)  # shape and dtype
             if state.kind is StateKind.MLA_KV:
+                if not start <= state.token_start < state.token_end <= n:
+                    raise ValueError(
+                        f"imported prefix's layer {state.layer_id} piece covers [{state.token_start}, "
+                        f"{state.token_end}), outside its rows [{start}, {n})"
+                    )
                 rows[state.layer_id] = rows.get(state.layer_id, 0) + state.token_end - state.token_start
             else:
                 kda.add((state.layer_id, StateKind(state.kind)))
-        missing = [lid for lid in self.caches.mla_kv if rows.get(lid) != n]
+        missing = [lid for lid in self.caches.mla_kv if rows.get(lid) != n - start]
         missing += [
             lid
             for lid in self.caches.kda_conv
@@ -133,9 +140,12 @@ class PrefixCache:
         imported = request.imported_prefix
         request.imported_prefix = None  # used now or never (kept locally once scattered)
         st.pending = (num_hit, 0, match.kv_tokens)
-        if imported is not None and num_hit < imported.num_tokens <= limit and self._import(request, imported):
+        # a delta import needs the local hit it extends (all or nothing: if that was evicted
+        # meanwhile, the request computes from what is still local)
+        usable = imported is not None and imported.token_start <= num_hit < imported.num_tokens <= limit
+        if usable and imported is not None and self._import(request, imported, num_hit):
+            st.pending = (num_hit, imported.num_tokens - num_hit, match.kv_tokens)
             num_hit = imported.num_tokens
-            st.pending = (0, num_hit, match.kv_tokens)
         input_end = request.num_input_tokens
         input_chain = self.naming.chain(request, input_end)
         st.boundaries = self.policy.plan(
@@ -194,16 +204,20 @@ class PrefixCache:
         for kv in self.caches.mla_kv.values():
             kv[dst * bs : dst * bs + num_rows].copy_(kv[src * bs : src * bs + num_rows])
 
-    def _import(self, request: Request, imported: ImportedPrefix) -> bool:
-        """Scatter an imported prefix into fresh blocks and the slot, then keep it like our own."""
+    def _import(self, request: Request, imported: ImportedPrefix, num_hit: int) -> bool:
+        """Scatter an imported prefix into the request's blocks and slot, then keep it like our own.
+        Over a local hit of `num_hit` tokens (at least the import's `token_start`) the hit's blocks
+        stay (shared ones, and its private copy of a partial last block) and only the rows past
+        it are written, into that private block and new ones: shared blocks are never written."""
         assert request.state_slot is not None
         n, bs = imported.num_tokens, self.block_size
-        got = self.blocks.allocate(-(-n // bs))
+        got = self.blocks.allocate(-(-n // bs) - len(request.block_table))
         if got is None:
             return False  # the local hit, if any, stays as applied
-        self.blocks.free(request.block_table)  # a shorter local hit's blocks
-        request.block_table = got
-        rows = token_rows(got, n, bs)
+        request.block_table = request.block_table + got
+        if num_hit > imported.token_start:
+            imported = imported.delta_from(num_hit)  # rows the local hit holds already are not rewritten
+        rows = token_rows(request.block_table, n, bs)
         for state in imported.states:
             write_piece(self.caches, state, rows, request.state_slot)
         request.num_computed_tokens = n
