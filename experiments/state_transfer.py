@@ -9,7 +9,8 @@ KDA layer, 32x128x128 fp32) is written as a prefill writes it (`StateStoreClient
 `PutStream.write_state` per piece, `finish`) and read as a decode reads it (`get`, every chunk's
 checksum verified by the client). As in a real handoff the reader's Get waits on the key before
 the writer starts (a decode reservation), so writing and reading overlap; a transfer ends when
-the reader holds every chunk, verified, and has said so over a pipe. Transports:
+the reader holds every chunk, verified (its clock, `time.perf_counter`, is CLOCK_MONOTONIC, the
+writer's too; the pipe that tells the writer so is not timed). Transports:
 
 * `shm`: the store's shared-memory arena, one copy in, zero-copy views out; `shm+scatter` also
   copies each chunk into one destination array (the engine's scatter into its cache);
@@ -63,7 +64,7 @@ def serve_store(memory_bytes: int, transfer_engine: str, address_out: Connection
 def read_keys(address: str, use_mooncake: bool, jobs: Connection) -> None:
     """The reader's process (a decode worker): per (key, transport, num_bytes) job, opens a Get
     waiting on the key, says "ready", takes every chunk (verified by the client, and scattered
-    into one array unless the transport is `shm`), says ("done", num_bytes), then sends the
+    into one array unless the transport is `shm`), says ("done", num_bytes, when), then sends the
     checksum of what it scattered (untimed: the writer checks it)."""
     transport = None
     if use_mooncake:
@@ -91,7 +92,8 @@ def read_keys(address: str, use_mooncake: bool, jobs: Connection) -> None:
             if kind != "shm":
                 out[start:end] = np.frombuffer(chunk.data, np.uint8)
             start = end
-        jobs.send(("done", start))
+        done_at = time.perf_counter()  # CLOCK_MONOTONIC: the writer's clock too
+        jobs.send(("done", start, done_at))
         jobs.send(checksum.compute(out[:num_bytes].data) if kind != "shm" else None)
     client.close()
 
@@ -121,16 +123,16 @@ def put_pieces(client: StateStoreClient, key: str, pieces: list[np.ndarray], sha
 
 
 def handoff(client: StateStoreClient, reader: Connection, pieces: list[np.ndarray], kind: str) -> float:
-    """One request's handoff over `kind`; seconds from the writer's first piece until the reader
-    said it held them all. Releases the key afterwards (untimed, as a decode does after use)."""
+    """One request's handoff over `kind`; seconds from the writer's `open_put` until the reader
+    held every piece. Releases the key afterwards (untimed, as a decode does after use)."""
     key = f"bench-{next(_keys)}"
     num_bytes = sum(p.nbytes for p in pieces)
     reader.send((key, kind, num_bytes))
     assert reader.recv() == "ready"
     start = time.perf_counter()
     put_pieces(client, key, pieces, shared_memory=kind != "gRPC")
-    done, received = reader.recv()
-    elapsed_s = time.perf_counter() - start
+    done, received, done_at = reader.recv()
+    elapsed_s = done_at - start  # until the reader held it all, not until the writer heard so
     scattered = reader.recv()
     assert done == "done" and received == num_bytes, (done, received, num_bytes)
     whole = np.concatenate([p.reshape(-1) for p in pieces]).view(np.uint8)
