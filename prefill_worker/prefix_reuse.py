@@ -18,6 +18,10 @@ from splitserve.sampling_params import SamplingParams
 from splitserve.state.client import StateStoreClient
 
 LOOKUP_TIMEOUT_S = 5.0  # a store that does not answer a lookup in this long is skipped: compute instead
+# A stored prefix is imported when it covers at least this many tokens past the engine's own hit.
+# The engine scatters only the rows past its hit, so even a short reply's end is worth importing:
+# measured in docs/PERFORMANCE.md section 9 (fetch cost against compute of the tokens it saves).
+MIN_GAIN_TOKENS = 1
 
 
 class PrefixReuse:
@@ -29,7 +33,9 @@ class PrefixReuse:
     down, a corrupt or incomplete state) computes the prompt as if caching were local only.
     """
 
-    def __init__(self, loop: EngineLoop, worker_id: str, store_address: str) -> None:
+    def __init__(
+        self, loop: EngineLoop, worker_id: str, store_address: str, min_gain_tokens: int = MIN_GAIN_TOKENS
+    ) -> None:
         self.loop = loop
         self.store_address = store_address
         self.unit = loop.engine.config.prefix_unit
@@ -39,7 +45,7 @@ class PrefixReuse:
         publisher = PrefixPublisher.attach(loop, worker_id, store_address)
         assert publisher is not None  # `enabled` said caching is on and there is a store
         self.publisher = publisher
-        self.fetcher = PrefixFetcher(loop.engine.caches, min_gain_tokens=self.unit)
+        self.fetcher = PrefixFetcher(loop.engine.caches, min_gain_tokens=min_gain_tokens)
 
     @staticmethod
     def enabled(loop: EngineLoop, store_address: str) -> bool:

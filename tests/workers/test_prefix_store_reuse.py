@@ -206,3 +206,26 @@ def test_a_fetched_state_the_engine_refuses_is_computed_instead(node, reference,
     got = generate(addresses["b"], addresses["decode"], "b-refused", prompt, params).token_ids
     assert got == reference(prompt, params)
     assert prefixes.fetcher.stats.num_failures == failures + 1 and _imported_tokens(workers["b"]) == imported
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_a_reply_shorter_than_a_unit_is_imported_over_the_local_prompt_hit(
+    node, reference, gateway_chains, seeded
+):
+    """The multi-turn case: the prefill worker holds the previous prompt's end itself, the store
+    the decode worker's prompt + reply; the next turn imports only the reply's rows (fewer than
+    a prefix unit) on top of its own hit."""
+    _, workers, addresses = node
+    first = list(range(1400 + 80 * seeded, 1400 + 80 * seeded + 3 * UNIT + 5))
+    params = _params(seeded)
+    reply = generate(addresses["a"], addresses["decode"], f"short-1-{seeded}", first, params).token_ids
+    assert workers["decode"].prefix_publisher.wait_idle(WAIT_S)
+    assert len(reply) - 1 < UNIT
+    second = first + reply + [21, 22, 23]
+    stats = lambda: workers["a"].loop.call(lambda e: e.prefix_cache_stats()).result(WAIT_S)  # noqa: E731
+    before = stats()
+    got = generate(addresses["a"], addresses["decode"], f"short-2-{seeded}", second, params).token_ids
+    assert got == reference(second, params)
+    after = stats()
+    assert after.num_hit_tokens == before.num_hit_tokens + len(first)  # its own prompt-end snapshot
+    assert after.num_imported_tokens == before.num_imported_tokens + len(reply) - 1  # the reply's rows
