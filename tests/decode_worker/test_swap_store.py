@@ -8,12 +8,15 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from decode_worker.actor import DecodeWorkerActor
 from decode_worker.swap_space import StoreSwapSpace
+from prefill_worker.actor import PrefillWorkerActor
 from splitserve import LLM
+from splitserve.engine.cache_spec import CachePlan
 from splitserve.engine.model_config import KimiLinearModelConfig
 from splitserve.engine.state_transfer import LayerState
 from splitserve.engine.swap_space import SwapStats
@@ -23,7 +26,16 @@ from splitserve.tiny_model import make_tiny_model
 from state_store.config import StoreConfig
 from state_store.server import StateStoreServer
 from state_store.store import StateStore
-from tests.engine.test_swap import PROMPT_LENGTHS, _greedy, _seeded, _tight
+from tests.engine.test_swap import (
+    BLOCK_SIZE,
+    MAX_NUM_SEQS,
+    NUM_NEW_TOKENS,
+    PROMPT_LENGTHS,
+    _greedy,
+    _seeded,
+    _tight,
+)
+from tests.workers.client import generate, reserve
 
 OWNER = "decode-swap-test"
 
@@ -151,3 +163,46 @@ def test_a_decode_worker_in_swap_mode_swaps_to_its_store(tiny_model_path, store)
         assert plain.swap_space is None and "swap_store" not in plain.stats()
     finally:
         plain.shutdown()
+
+
+def test_a_decode_worker_swaps_preempted_streams_through_its_store(
+    tiny_model_path, prompts, unpreempted, store
+):
+    """The Reserve -> Prefill -> Decode flow over gRPC, on a decode worker whose KV budget holds
+    every prompt but a quarter of the replies: its streams preempt each other, swap to the store
+    and back, and stream the tokens of an engine that never preempts."""
+    _, address = store
+    unit = CachePlan.specs(
+        KimiLinearModelConfig.from_pretrained(tiny_model_path), block_size=BLOCK_SIZE, dtype="float32"
+    )
+    num_blocks = sum(-(-(n + 1) // BLOCK_SIZE) for n in PROMPT_LENGTHS)
+    num_blocks += len(PROMPT_LENGTHS) * NUM_NEW_TOKENS // 4 // BLOCK_SIZE
+    base = EngineConfig(model=str(tiny_model_path), max_model_len=128, num_threads=1)
+    decode_config = dataclasses.replace(
+        base,
+        block_size=BLOCK_SIZE,
+        max_num_seqs=MAX_NUM_SEQS,
+        kv_cache_memory_bytes=MAX_NUM_SEQS * unit.slot_room_bytes + num_blocks * unit.block_bytes,
+        preemption_mode="swap",
+    )
+    workers = [PrefillWorkerActor(base, address), DecodeWorkerActor(decode_config, address)]
+    prefill, decode = (w.start("127.0.0.1", 0) for w in workers)
+    try:
+        rooms = [reserve(decode, f"swap-{i}", p) for i, p in enumerate(prompts)]  # every prompt fits
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(
+                pool.map(
+                    lambda i: generate(prefill, decode, f"swap-{i}", prompts[i], _greedy(), rooms[i]),
+                    range(len(prompts)),
+                )
+            )
+        assert [r.token_ids for r in results] == unpreempted["greedy"]
+        stats = workers[1].stats()
+        assert stats["swap_num_swapped_out"] > 0, "the decode worker's KV budget was meant to force swaps"
+        assert (
+            stats["swap_num_swapped_in"] == stats["swap_num_swapped_out"] == stats["swap_store"]["num_puts"]
+        )
+        assert stats["swap_num_recompute_fallbacks"] == 0
+    finally:
+        for worker in workers:
+            worker.shutdown()
