@@ -18,10 +18,13 @@ from splitserve.sampling_params import SamplingParams
 from splitserve.state.client import StateStoreClient
 
 LOOKUP_TIMEOUT_S = 5.0  # a store that does not answer a lookup in this long is skipped: compute instead
-# A stored prefix is imported when it covers at least this many tokens past the engine's own hit.
-# The engine scatters only the rows past its hit, so even a short reply's end is worth importing:
-# measured in docs/PERFORMANCE.md section 9 (fetch cost against compute of the tokens it saves).
-MIN_GAIN_TOKENS = 1
+# A stored prefix is imported when it covers at least this many prefix units past the engine's
+# own hit. Measured (docs/PERFORMANCE.md section 9): a fetch costs ~10-15 ms on one node (a Lookup,
+# then the whole stored prefix read, since a store Get has no token range), about what computing
+# 64 more tokens of a turn costs the tiny model; a 31-token reply imported cost 3-24 ms more than
+# computing it. The engine takes any gain (it writes only the rows past its hit): lower this once
+# fetches read only the delta.
+MIN_GAIN_UNITS = 1
 
 
 class PrefixReuse:
@@ -34,7 +37,7 @@ class PrefixReuse:
     """
 
     def __init__(
-        self, loop: EngineLoop, worker_id: str, store_address: str, min_gain_tokens: int = MIN_GAIN_TOKENS
+        self, loop: EngineLoop, worker_id: str, store_address: str, min_gain_tokens: int | None = None
     ) -> None:
         self.loop = loop
         self.store_address = store_address
@@ -45,7 +48,8 @@ class PrefixReuse:
         publisher = PrefixPublisher.attach(loop, worker_id, store_address)
         assert publisher is not None  # `enabled` said caching is on and there is a store
         self.publisher = publisher
-        self.fetcher = PrefixFetcher(loop.engine.caches, min_gain_tokens=min_gain_tokens)
+        gain = MIN_GAIN_UNITS * self.unit if min_gain_tokens is None else min_gain_tokens
+        self.fetcher = PrefixFetcher(loop.engine.caches, min_gain_tokens=gain)
 
     @staticmethod
     def enabled(loop: EngineLoop, store_address: str) -> bool:

@@ -210,12 +210,13 @@ def test_a_fetched_state_the_engine_refuses_is_computed_instead(node, reference,
 
 @pytest.mark.parametrize("seeded", [False, True])
 def test_a_reply_shorter_than_a_unit_is_imported_over_the_local_prompt_hit(
-    node, reference, gateway_chains, seeded
+    node, reference, gateway_chains, monkeypatch, seeded
 ):
     """The multi-turn case: the prefill worker holds the previous prompt's end itself, the store
-    the decode worker's prompt + reply; the next turn imports only the reply's rows (fewer than
-    a prefix unit) on top of its own hit."""
+    the decode worker's prompt + reply; with any gain worth a fetch, the next turn imports the
+    reply's rows (fewer than a prefix unit) on top of its own hit."""
     _, workers, addresses = node
+    monkeypatch.setattr(workers["a"].servicer.prefixes.fetcher, "min_gain_tokens", 1)
     first = list(range(1400 + 80 * seeded, 1400 + 80 * seeded + 3 * UNIT + 5))
     params = _params(seeded)
     reply = generate(addresses["a"], addresses["decode"], f"short-1-{seeded}", first, params).token_ids
