@@ -2,8 +2,9 @@
 
 With `decode.replay_window` > 0 the engine hands its replay listener a `ReplayPublish` every
 window (engine/replay_publish.py); `offer` only queues it (engine thread). One thread writes
-each to the worker's node store under `<state_key>/replay/<token_start>` (key scheme and
-encoding: engine/replay_codec.py), through the store client's one Put path
+each to the worker's node store, its MLA rows under `<state_key>/replay/<token_start>` and its
+KDA part under `<state_key>/replay/<token_start>/kda` (key scheme and encoding:
+engine/replay_codec.py), through the store client's one Put path
 (`state_codec.write_host_state`: the node's shared-memory arena when there is one), sealed.
 
 Per request, from `begin` to `end`:
@@ -11,6 +12,10 @@ Per request, from `begin` to `end`:
 * the base state stays in the store: the prompt state the prefill wrote under `<state_key>` is
   no longer released after it is read, and a request this worker resumed from stored state gets
   the state it resumed from written there (`begin(base_states=...)`);
+* once a piece carrying a checkpoint is written, the KDA parts of the request's earlier pieces
+  are released (the checkpoint supersedes them; MLA rows stay): with the engine's rule (records
+  since a checkpoint never outweigh one) a request holds at most about two checkpoints of KDA
+  bytes besides its base, however long it decodes;
 * every key the request holds here (base and pieces) is renewed every `renew_interval_s` for
   `lease_s`, so a worker that dies leaves state that expires on its own a lease later;
 * `end` (finished, aborted, client gone, stream broken) releases them all.
@@ -35,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from splitserve.engine.engine_loop import EngineLoop
-from splitserve.engine.replay_codec import piece_key, publish_states
+from splitserve.engine.replay_codec import kda_key, kda_states, mla_states, piece_key
 from splitserve.engine.replay_publish import ReplayPublish
 from splitserve.engine.state_codec import write_host_state
 from splitserve.engine.state_transfer import LayerState
@@ -58,6 +63,7 @@ class ReplayPublisherStats:
     num_failed: int = 0  # a write, renewal or release the store refused
     num_bytes: int = 0  # piece bytes written (base states not counted)
     num_tokens: int = 0  # tokens the written pieces cover
+    num_kda_released: int = 0  # KDA parts released early: a later checkpoint superseded them
 
 
 @dataclass
@@ -65,7 +71,8 @@ class _Held:
     """One request's keys in this worker's store."""
 
     state_key: str
-    keys: list[str] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)  # all it holds (released at the end)
+    kda_keys: list[str] = field(default_factory=list)  # its pieces' KDA parts, oldest first
 
 
 class ReplayStorePublisher:
@@ -209,11 +216,21 @@ class ReplayStorePublisher:
             held = self._held.get(publish.request_id)
             if held is None:
                 return  # ended while queued
-            key = piece_key(held.state_key, publish.token_start)
-            held.keys.append(key)  # before the write: `end` releases even a half-written key
-        self.stats.num_bytes += self._write(key, publish_states(publish))
+            key, kda = piece_key(held.state_key, publish.token_start), kda_key(held.state_key, publish.token_start)
+            held.keys += [key, kda]  # before the write: `end` releases even a half-written key
+            superseded = list(held.kda_keys) if publish.has_checkpoint else []
+            held.kda_keys.append(kda)
+        self.stats.num_bytes += self._write(key, mla_states(publish))
+        self.stats.num_bytes += self._write(kda, kda_states(publish))
         self.stats.num_published += 1
         self.stats.num_tokens += publish.num_tokens - publish.token_start
+        if superseded:  # only once the checkpoint is sealed: a reader always finds one
+            with self._wake:
+                for old in superseded:
+                    held.keys.remove(old)
+                    held.kda_keys.remove(old)
+            self._release(superseded)
+            self.stats.num_kda_released += len(superseded)
 
     def _write_base(self, held: _Held, states: list[LayerState]) -> None:
         with self._wake:

@@ -196,11 +196,11 @@ class KeptStreams:
 
         def release() -> None:
             with self._client(address) as client:
-                try:
-                    for key in keys:
+                for key in keys:
+                    try:
                         client.release(key)
-                except StateStoreError as exc:
-                    logger.info("could not release resumed state in %s (%s); leases free it", address, exc)
+                    except StateStoreError as exc:
+                        logger.info("could not release %s in %s (%s); its lease frees it", key, address, exc)
 
         threading.Thread(target=release, name="release-resumed-state", daemon=True).start()
 

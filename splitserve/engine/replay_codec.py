@@ -5,9 +5,13 @@ A decode worker that publishes keeps, in its node's store, for each request it d
 * `<state_key>`: the request's base state (the prompt's state the prefill handed off, MLA rows
   0..n and each KDA layer's conv and recurrent state at n; a resumed request's worker writes the
   one it resumed from),
-* `<state_key>/replay/<token_start>`: one key per `ReplayPublish`, named by the token its piece
-  starts at. Pieces chain: the next one starts where this one ends (`num_tokens`), so a reader
-  walks them from the prompt's end without listing anything.
+* `<state_key>/replay/<token_start>`: the MLA rows of one `ReplayPublish`, named by the token its
+  piece starts at. Pieces chain: the next one starts where this one ends (`num_tokens`), so a
+  reader walks them from the prompt's end without listing anything. Every one is kept (the rows
+  of every token are needed).
+* `<state_key>/replay/<token_start>/kda`: the same publish's KDA part (conv states and records or
+  a checkpoint). Once a piece with a checkpoint is written the KDA parts before it are released,
+  so a request keeps at most about two checkpoints' worth of KDA bytes (replay_publish.py's rule).
 
 A piece's states, in the handoff's own encoding (`state_codec`), with its token range in each
 state's metadata:
@@ -31,6 +35,7 @@ from splitserve.engine.state_transfer import LayerState
 from splitserve.state import CorruptStateError, StateKind
 
 REPLAY_INFIX = "/replay/"
+KDA_SUFFIX = "/kda"
 
 
 def piece_key(state_key: str, token_start: int) -> str:
@@ -38,13 +43,27 @@ def piece_key(state_key: str, token_start: int) -> str:
     return f"{state_key}{REPLAY_INFIX}{token_start}"
 
 
+def kda_key(state_key: str, token_start: int) -> str:
+    """The key of the KDA part of the publish of `state_key`'s request that starts at `token_start`."""
+    return f"{piece_key(state_key, token_start)}{KDA_SUFFIX}"
+
+
 def publish_states(publish: ReplayPublish) -> list[LayerState]:
-    """`publish` as the layer states stored under its piece key (tensors where they were: the
+    """`publish` as layer states: `mla_states` then `kda_states` (tensors where they were: the
     caller moves them to the host)."""
+    return mla_states(publish) + kda_states(publish)
+
+
+def mla_states(publish: ReplayPublish) -> list[LayerState]:
+    """The MLA rows of `publish`, as stored under its `piece_key`."""
     start, end = publish.token_start, publish.num_tokens
-    states = [
-        LayerState(rows.layer_id, StateKind.MLA_KV, rows.tensor, start, end, end) for rows in publish.mla
-    ]
+    return [LayerState(rows.layer_id, StateKind.MLA_KV, rows.tensor, start, end, end) for rows in publish.mla]
+
+
+def kda_states(publish: ReplayPublish) -> list[LayerState]:
+    """The KDA part of `publish` (conv, records or checkpoint), as stored under its `kda_key`."""
+    start, end = publish.token_start, publish.num_tokens
+    states = []
     for piece in publish.kda:
         states.append(LayerState(piece.layer_id, StateKind.KDA_CONV, piece.conv, start, end))
         if piece.checkpoint is not None:
@@ -96,6 +115,23 @@ def publish_from_states(
         kda.append(piece)
     mla = [_joined(lid, parts, start, end, request_id) for lid, parts in sorted(rows.items())]
     return ReplayPublish(request_id, start, end, kda, mla)
+
+
+def mla_rows_from_states(
+    request_id: str, states: Iterable[LayerState], start: int, end: int
+) -> list[LayerState]:
+    """Each MLA layer's rows [start, end) stored as `states` (a piece's `mla_states`, possibly in
+    several parts), one state per layer. Raises CorruptStateError when they are anything else."""
+    rows: dict[int, list[LayerState]] = {}
+    for state in states:
+        if state.kind is not StateKind.MLA_KV:
+            raise CorruptStateError(
+                f"replay piece {start}..{end} of {request_id} holds a {state.kind} state where MLA rows belong"
+            )
+        rows.setdefault(state.layer_id, []).append(state)
+    if not rows:
+        raise CorruptStateError(f"replay piece {start}..{end} of {request_id} holds no MLA rows")
+    return [_joined(lid, parts, start, end, request_id) for lid, parts in sorted(rows.items())]
 
 
 def _joined(lid: int, parts: list[LayerState], start: int, end: int, request_id: str) -> LayerState:

@@ -3,10 +3,14 @@
 Every time a request's slot folds a full window (every `replay_window` computed tokens), the
 engine hands its replay listener a `ReplayPublish`: the state from the previous publish's end
 (`token_start`) to `num_tokens`. MLA layers give their KV rows for those tokens; KDA layers give
-the window's records when they extend the previous publish exactly and are smaller than a
-checkpoint (the usual case for real head sizes), else the checkpoint itself (also for a request
-whose window began elsewhere: after a resume or a flush), and always the conv state at `num_tokens`. A request's first publish starts at its prompt's end, whose
-state the prefill already handed off. `replay_resume.py` turns a prompt state and these pieces
+the window's records when they extend the previous publish exactly and the records published since
+the request's last checkpoint (the prompt's end counts as one) would still cost no more than one
+checkpoint, else the checkpoint itself (also for a request whose window began elsewhere: after a
+resume or a flush), and always the conv state at `num_tokens`. So whoever keeps the pieces needs
+at most one checkpoint plus one checkpoint's worth of records per KDA layer to rebuild the latest
+state (at the 48B shape, Dk = Dv = 128: 42 tokens of records, so every third publish at window
+16 is a checkpoint). A request's first publish starts at its prompt's end, whose state the
+prefill already handed off. `replay_resume.py` turns a prompt state and these pieces
 back into an `ImportedPrefix`.
 """
 
@@ -59,6 +63,11 @@ class ReplayPublish:
     def num_bytes(self) -> int:
         return sum(p.num_bytes for p in self.kda) + sum(s.num_bytes for s in self.mla)
 
+    @property
+    def has_checkpoint(self) -> bool:
+        """Whether its KDA layers carry the recurrent state itself (it needs no earlier KDA part)."""
+        return any(p.checkpoint is not None for p in self.kda)
+
 
 # Returns False when it could not take the publish (its queue is full): the next publish of that
 # request then starts where the last one it took ended, as a checkpoint (it cannot extend records
@@ -75,9 +84,10 @@ class ReplayPublisher:
         self.ring = ring
         self.block_size = block_size
         self.listener: ReplayListener | None = None
-        # request id -> (its arrival number, where its last publish ended); the arrival tells a
-        # request from an earlier one of the same id (an abort leaves its entry behind)
-        self._published_to: dict[str, tuple[int, int]] = {}
+        # request id -> (its arrival number, where its last publish ended, where its last
+        # checkpoint is); the arrival tells a request from an earlier one of the same id (an
+        # abort leaves its entry behind)
+        self._published_to: dict[str, tuple[int, int, int]] = {}
 
     def after_step(self, requests: list[Request]) -> None:
         """Publish every unfinished request among `requests` (this step's) whose slot folded a
@@ -87,23 +97,27 @@ class ReplayPublisher:
             if req.finished or req.prefill_only:
                 self._published_to.pop(req.request_id, None)
             elif folded and req.state_slot in folded and self.listener is not None:
-                publish = self._publish(req)
+                publish, checkpoint_at = self._publish(req)
                 if self.listener(publish) is not False:
-                    self._published_to[req.request_id] = (req.arrival, publish.num_tokens)
+                    self._published_to[req.request_id] = (req.arrival, publish.num_tokens, checkpoint_at)
 
-    def _records_are_smaller(self) -> bool:
-        """Whether a window's records (`L x H x (2 Dk + Dv)`) cost no more than its checkpoint
-        (`H x Dk x Dv`): true for the 48B shape at L = 16 (2.7x smaller), false for tiny heads."""
+    def records_fit(self, num_tokens: int) -> bool:
+        """Whether records of `num_tokens` tokens (`n x H x (2 Dk + Dv)` per layer) cost no more
+        than one checkpoint (`H x Dk x Dv`): at the 48B shape up to 42 tokens, tiny heads (16) 5."""
         layer = next(iter(self.ring.layers.values()))
-        return layer.k[0].numel() + layer.u[0].numel() + layer.g[0].numel() <= layer.checkpoint[0].numel()
+        per_token = (layer.k[0].numel() + layer.u[0].numel() + layer.g[0].numel()) // self.ring.window
+        return num_tokens * per_token <= layer.checkpoint[0].numel()
 
-    def _publish(self, req: Request) -> ReplayPublish:
+    def _publish(self, req: Request) -> tuple[ReplayPublish, int]:
+        """The request's publish and where its latest checkpoint is once it is taken."""
         assert req.state_slot is not None
         slot, window, end = req.state_slot, self.ring.window, req.num_computed_tokens
-        arrival, start = self._published_to.get(req.request_id, (req.arrival, req.num_prompt_tokens))
+        first = (req.arrival, req.num_prompt_tokens, req.num_prompt_tokens)
+        arrival, start, checkpoint_at = self._published_to.get(req.request_id, first)
         if arrival != req.arrival:
-            start = req.num_prompt_tokens
-        extends = end - window == start and self._records_are_smaller()
+            _, start, checkpoint_at = first
+        # records only while everything since the last checkpoint stays within one checkpoint's bytes
+        extends = end - window == start and self.records_fit(end - checkpoint_at)
         kda = []
         for lid, layer in self.ring.layers.items():
             piece = ReplayLayerPiece(lid, self.caches.kda_conv[lid][slot].clone())
@@ -114,7 +128,7 @@ class ReplayPublisher:
             kda.append(piece)
         rows = token_rows(req.block_table, end, self.block_size, start)
         mla = [extract_mla_rows(self.caches, lid, rows, start, end) for lid in self.caches.mla_kv]
-        return ReplayPublish(req.request_id, start, end, kda, mla)
+        return ReplayPublish(req.request_id, start, end, kda, mla), checkpoint_at if extends else end
 
 
 def replay_publisher(

@@ -79,7 +79,10 @@ def test_resume_from_any_publish_continues_like_the_uninterrupted_run(engines, k
     assert len(tokens) == NUM_TOKENS
     n = len(PROMPT)
     assert [p.num_tokens for p in pieces] == list(range(n + WINDOW, n + NUM_TOKENS, WINDOW))
-    assert all(p.kda[0].checkpoint is None and p.kda[0].k is not None for p in pieces)  # records only
+    # tiny heads (16 x 16): 4 tokens of records (4 x 48 values) fit in a checkpoint (256), 8 do not
+    assert [p.has_checkpoint for p in pieces] == [m % 2 == 1 for m in range(len(pieces))]
+    assert all((p.kda[0].k is None) == p.has_checkpoint for p in pieces)
+    _assert_records_since_a_checkpoint_fit_in_one(pieces)
     for m, piece in enumerate(pieces):
         num_tokens, states = resume_states(prompt_states, pieces[: m + 1])
         assert num_tokens == piece.num_tokens
@@ -105,7 +108,8 @@ def test_a_resumed_engine_publishes_a_checkpoint_then_records(engines):
     )
     assert resumed == tokens
     assert more[0].token_start == len(PROMPT) and more[0].kda[0].checkpoint is not None
-    assert all(p.kda[0].k is not None for p in more[1:])
+    assert more[1].kda[0].k is not None
+    _assert_records_since_a_checkpoint_fit_in_one(more)
     # a second failover: the first engine's piece, then the resumed engine's, rebuild the state
     end, chained = resume_states(prompt_states, [pieces[0], *more])
     expected, _ = _prefill(engines["prefill"], params, tokens[: end - len(PROMPT)])
@@ -120,6 +124,23 @@ def test_a_gap_in_the_pieces_is_refused(engines):
     )
     with pytest.raises(ValueError, match="a piece is missing"):
         resume_states(prompt_states, [pieces[0], pieces[2]])
+
+
+def _assert_records_since_a_checkpoint_fit_in_one(pieces: list[ReplayPublish]) -> None:
+    """What bounds the KDA bytes a store keeps: per layer, the records published since the last
+    checkpoint (the prompt's end counts as one) never cost more than one checkpoint."""
+    since: dict[int, int] = {}
+    for piece in pieces:
+        for layer in piece.kda:
+            if layer.checkpoint is not None:
+                since[layer.layer_id] = 0
+            else:
+                assert layer.k is not None and layer.u is not None and layer.g_cum is not None
+                since[layer.layer_id] = since.get(layer.layer_id, 0) + sum(
+                    t.numel() for t in (layer.k, layer.u, layer.g_cum)
+                )
+                heads, dk, dv = layer.k.shape[1], layer.k.shape[2], layer.u.shape[2]
+                assert since[layer.layer_id] <= heads * dk * dv
 
 
 def _assert_same_state(got: list[LayerState], expected: list[LayerState]) -> None:

@@ -20,7 +20,7 @@ from decode_worker.actor import DecodeWorkerActor
 from decode_worker.stored_resume import read_stored_state
 from prefill_worker.actor import PrefillWorkerActor
 from splitserve import LLM, SamplingParams
-from splitserve.engine.replay_codec import piece_key
+from splitserve.engine.replay_codec import kda_key, piece_key
 from splitserve.rpc import make_channel
 from splitserve.state import Chunk, ChunkMeta, StateKind, checksum
 from splitserve.state.client import StateStoreClient
@@ -153,10 +153,10 @@ def test_a_corrupt_piece_is_data_loss(workers, store_server, offline):
         ]
         client.put(prompt, owner="test", seal=True)
         data = b"\0" * 64
-        key = piece_key(copy, len(PROMPT))
         span = (len(PROMPT), len(PROMPT) + WINDOW)
-        meta = ChunkMeta(key, 0, StateKind.KDA_CONV, "uint8", (64,), *span, checksum.compute(data))
-        client.put([Chunk(meta, data)], owner="test", seal=True)
+        for key in (piece_key(copy, len(PROMPT)), kda_key(copy, len(PROMPT))):  # rows and KDA part
+            meta = ChunkMeta(key, 0, StateKind.KDA_CONV, "uint8", (64,), *span, checksum.compute(data))
+            client.put([Chunk(meta, data)], owner="test", seal=True)
         with pytest.raises(grpc.RpcError) as failed:
             _resume_on_b(
                 workers,
