@@ -20,7 +20,8 @@ import torch
 
 # Tokens per chunk. The intra-chunk decay tensor is [chunks, H, C, C, Dk], C times the inputs,
 # so a smaller chunk costs less elementwise work; the sequential state pass runs L / C steps.
-CHUNK_SIZE = 16
+# On bench-10m (2,048-token prefill steps, 1 thread) 8 takes 22 ms a layer, 16 39 ms, 4 19 ms.
+CHUNK_SIZE = 8
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
