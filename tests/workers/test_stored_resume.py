@@ -183,6 +183,57 @@ def test_a_released_state_is_not_found(workers, store_server):
     _assert_store_empty(workers, store_server)
 
 
+LONG = 48  # tokens of the long request: 11 pieces of 4, records and checkpoints alternating
+
+
+@pytest.fixture(scope="module")
+def offline_long(engine_config) -> dict[str, list[int]]:
+    params = [dataclasses.replace(PARAMS[kind], max_tokens=LONG) for kind in ("greedy", "seeded")]
+    outputs = LLM(model=engine_config.model, max_model_len=512).generate(
+        prompt_token_ids=[PROMPT, PROMPT], sampling_params=params
+    )
+    return {"greedy": outputs[0].outputs[0].token_ids, "seeded": outputs[1].outputs[0].token_ids}
+
+
+@pytest.mark.parametrize("kind", sorted(PARAMS))
+def test_a_long_decode_keeps_bounded_kda_state_and_resumes_exactly(
+    workers, store_server, offline_long, kind
+):
+    """Worker a decodes a whole long request and keeps what it held at the end (as if it died
+    then): the store holds every piece's MLA rows but the KDA parts of at most two pieces (the
+    newest checkpoint and the records after it), no more bytes than two checkpoints; b resumes
+    from there exactly."""
+    rid = f"stored-long-{kind}"
+    params = dataclasses.replace(PARAMS[kind], max_tokens=LONG)
+    LOST.add(rid)  # before the stream ends: a keeps everything
+    released_before = workers["a"].replay_publisher.stats.num_kda_released
+    sent, where = _lose_after(workers, rid, params, LONG)
+    assert sent == offline_long[kind]
+    n = len(PROMPT)
+    with _store(store_server) as client:
+        base = client.lookup(where.state_key)
+        assert base is not None
+        base_kda_bytes = sum(
+            c.num_bytes for c in base.chunks if c.kind in (StateKind.KDA_CONV, StateKind.KDA_RECURRENT)
+        )
+        num_pieces = (LONG - 1) // WINDOW  # the last token is sampled, never computed
+        starts = [n + WINDOW * i for i in range(num_pieces)]
+        assert all(client.lookup(piece_key(where.state_key, s)) is not None for s in starts)
+        assert client.lookup(piece_key(where.state_key, n + WINDOW * num_pieces)) is None
+        kda = [info for s in starts if (info := client.lookup(kda_key(where.state_key, s))) is not None]
+        assert 1 <= len(kda) <= 2, [info.key for info in kda]
+        assert sum(info.num_bytes for info in kda) <= 2 * base_kda_bytes
+    assert workers["a"].replay_publisher.stats.num_kda_released - released_before >= num_pieces - 2
+    kept = sent[: LONG - 3]  # the client got all but 3: b rebuilds from the newest checkpoint
+    with _store(store_server) as client:
+        found = read_stored_state(client, where.state_key, rid, n, len(kept), 10)
+        assert (found.num_tokens, found.num_pieces) == (starts[-1] + WINDOW, num_pieces)
+    deltas = _resume_on_b(workers, rid, params, kept, where)
+    assert kept + [t for d in deltas for t in d.token_ids] == offline_long[kind]
+    _end_on_a(workers, rid)
+    _assert_store_empty(workers, store_server)
+
+
 def _end_on_a(workers, rid: str) -> None:
     """What the leases would do in time: the keys worker a kept for `rid` go."""
     LOST.discard(rid)
