@@ -5,8 +5,9 @@
 Builds the ~10M-parameter `bench-10m` tiny checkpoint (random weights), draws a mixed workload
 (prompt lengths 16-256, output lengths 16-96, from a seed), runs both sides greedily with EOS
 ignored, and prints useful output tokens per second (the tokens each request asked for; the
-padding transformers generates past a request's own length does not count) and their ratio.
-Then it profiles the engine's decode steps: model compute against scheduling, batch building,
+padding transformers generates past a request's own length does not count) and their ratio,
+by wall time and by the process's CPU time (on a machine shared with other jobs the CPU time
+moves much less than the wall time; with `--threads 1` it is the work done). Then it profiles the engine's decode steps: model compute against scheduling, batch building,
 sampling and bookkeeping. Figures only: nothing here asserts on time.
 """
 
@@ -29,26 +30,32 @@ def workload(num_prompts: int, vocab: int, seed: int) -> tuple[list[list[int]], 
     return prompts, outputs
 
 
-def run_engine(path: Path, prompts: list[list[int]], outputs: list[int], max_num_seqs: int) -> float:
+def run_engine(
+    path: Path, prompts: list[list[int]], outputs: list[int], max_num_seqs: int
+) -> tuple[float, float]:
+    """Wall and CPU seconds of the engine's `generate` over the whole workload (after a warm-up)."""
     from splitserve import LLM, SamplingParams
 
     llm = LLM(model=str(path), dtype="float32", max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
     print(f"parameters: {sum(p.numel() for p in llm.engine.model.parameters()) / 1e6:.1f}M")
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
     llm.generate(prompt_token_ids=prompts[:2], sampling_params=params[:2])  # warm-up
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     assert sum(len(o.outputs[0].token_ids) for o in outs) == sum(outputs)
-    return elapsed
+    return elapsed, cpu
 
 
-def run_transformers(path: Path, prompts: list[list[int]], outputs: list[int], batch_size: int) -> float:
+def run_transformers(
+    path: Path, prompts: list[list[int]], outputs: list[int], batch_size: int
+) -> tuple[float, float]:
+    """Wall and CPU seconds of transformers' `generate`, `batch_size` prompts at a time."""
     from transformers import KimiLinearForCausalLM
 
     model = KimiLinearForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     pad = model.config.pad_token_id or 0
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     with torch.inference_mode():
         for i in range(0, len(prompts), batch_size):
             batch, wants = prompts[i : i + batch_size], outputs[i : i + batch_size]
@@ -63,7 +70,7 @@ def run_transformers(path: Path, prompts: list[list[int]], outputs: list[int], b
                 min_new_tokens=max(wants),
                 pad_token_id=pad,
             )
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu_start
 
 
 def module_timers(model: torch.nn.Module) -> tuple[dict[str, float], list[Any]]:
@@ -170,13 +177,20 @@ def main() -> None:
             f"model {path} | {args.num_prompts} prompts, {sum(map(len, prompts))} prompt tokens, "
             f"{useful} useful output tokens | torch threads {torch.get_num_threads()}"
         )
-        engine_s = run_engine(path, prompts, outputs, args.max_num_seqs)
-        print(f"splitserve engine        : {engine_s:8.2f} s  {useful / engine_s:9.1f} useful tok/s", flush=True)
-        hf_s = run_transformers(path, prompts, outputs, args.hf_batch_size)
+        engine_s, engine_cpu = run_engine(path, prompts, outputs, args.max_num_seqs)
+        print(
+            f"splitserve engine        : {engine_s:8.2f} s  {useful / engine_s:9.1f} useful tok/s"
+            f"  (CPU {engine_cpu:.2f} s)",
+            flush=True,
+        )
+        hf_s, hf_cpu = run_transformers(path, prompts, outputs, args.hf_batch_size)
         print(
             f"transformers generate b={args.hf_batch_size:<3}: {hf_s:8.2f} s  {useful / hf_s:9.1f} useful tok/s"
+            f"  (CPU {hf_cpu:.2f} s)"
         )
-        print(f"ratio (engine / transformers): {hf_s / engine_s:.2f}x")
+        print(
+            f"ratio (engine / transformers): {hf_s / engine_s:.2f}x wall, {hf_cpu / engine_cpu:.2f}x CPU time"
+        )
         phases, layers = profile_decode(path, prompts, min(args.max_num_seqs, len(prompts)))
         total = sum(phases.values())
         print(f"decode step with {min(args.max_num_seqs, len(prompts))} running: {total * 1e3:.2f} ms")
