@@ -73,13 +73,20 @@ class KeptStreams:
         self.state_timeout_s = state_timeout_s
 
     def keep(self, rid: str, reader: StateReader) -> tuple[str, str] | None:
-        """A handed-off request is admitted: keep its prompt state (not released) with its pieces
-        until the stream ends; (store address, state key) to announce, or None when this worker
-        publishes nothing or the prompt state lies in another node's store (the caller releases
-        it then, as before: a failover re-prefills)."""
-        if self.publisher is None or reader.store.address != self.store.address:
+        """A handed-off request is admitted: keep its prompt state with its pieces in this
+        node's store until the stream ends; (this store's address, state key) to announce, or
+        None when this worker publishes nothing. A prompt state read from this node's store is
+        kept where it is (not released); one read from another node's store (one hop) is written
+        here from the reader's copies (`keep_copies`), and the caller releases the original."""
+        if self.publisher is None:
             return None
-        self.publisher.begin(rid, reader.key)
+        if reader.store.address == self.store.address:
+            self.publisher.begin(rid, reader.key)
+        elif reader.copies is not None:
+            self.publisher.begin(rid, reader.key, base_states=reader.copies)
+            reader.copies = None  # the publisher's now
+        else:
+            return None  # read without copies: a failover re-prefills
         return self.store.address, reader.key
 
     def stream(

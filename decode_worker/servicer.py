@@ -116,7 +116,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         shared = None if source is self.store else False
         transport = None if source is self.store else self._cross_node_transport()
         reader = StateReader(
-            sink, source, rid, key, timeout_s, self._free_room, shared_memory=shared, transport=transport
+            sink,
+            source,
+            rid,
+            key,
+            timeout_s,
+            self._free_room,
+            shared_memory=shared,
+            transport=transport,
+            keep_copies=source is not self.store and self.kept.publisher is not None,
         )
         with self._lock:
             self._readers[rid] = reader
@@ -174,7 +182,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self._drop(rid, reader)
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         kept_in = self.kept.keep(rid, reader)  # with a publisher: kept until the stream ends
-        if kept_in is None:
+        if kept_in is None or reader.store is not self.store:  # another node's: copied here, if kept
             self._release(reader)
         yield from self.kept.stream(rid, updates, context, state_wait_s, 1 + len(earlier), kept_in)
 

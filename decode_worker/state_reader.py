@@ -12,11 +12,13 @@ is in, or raises the reason it never will be.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 
 from splitserve.engine.state_codec import decode_pieces
+from splitserve.engine.state_transfer import LayerState
 from splitserve.engine.transfer_sink import TransferSink
 from splitserve.state import Chunk
 from splitserve.state.client import StateStoreClient
@@ -38,8 +40,12 @@ class StateReader:
         on_failure: Callable[[StateReader], None] | None = None,
         shared_memory: bool | None = None,
         transport: TransportClient | None = None,
+        keep_copies: bool = False,
     ) -> None:
         self.sink, self.request_id, self.key, self.store = sink, request_id, key, store
+        # keep_copies: a host copy of every piece read, for a copy of the state in this node's
+        # store (it came from another node's, which releases it once read: ReplaySSM failover)
+        self.copies: list[LayerState] | None = [] if keep_copies else None
         self.num_pieces = 0
         self.num_bytes = 0
         self.error: BaseException | None = None
@@ -78,6 +84,8 @@ class StateReader:
         rid = self.request_id
         try:
             for piece in decode_pieces(self._count(self._stream)):
+                if self.copies is not None:  # before the sink: it may take the tensor as it is
+                    self.copies.append(dataclasses.replace(piece, tensor=piece.tensor.clone()))
                 self.sink.write(piece)  # into the reserved rows/slot, on this thread
                 self.num_pieces += 1
             if not self.sink.complete:

@@ -26,6 +26,9 @@ from splitserve.state import Chunk, ChunkMeta, StateKind, checksum
 from splitserve.state.client import StateStoreClient
 from splitserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from splitserve.wire import FINISH_FROM_PROTO, decode_request, prefill_request, sampling_params_to_proto
+from state_store.config import StoreConfig
+from state_store.server import StateStoreServer
+from state_store.store import StateStore
 
 WINDOW = 4
 PROMPT = list(range(11, 80))
@@ -46,15 +49,14 @@ def offline(engine_config) -> dict[str, list[int]]:
     return {"greedy": outputs[0].outputs[0].token_ids, "seeded": outputs[1].outputs[0].token_ids}
 
 
-@pytest.fixture(scope="module")
-def workers(engine_config, store_server) -> Iterator[dict[str, Any]]:
-    """A prefill worker and two decode workers publishing every WINDOW tokens, one store."""
-    _, store_address = store_server
+def _start(engine_config, prefill_store: str, decode_store: str) -> dict[str, Any]:
+    """A prefill worker on `prefill_store`, two decode workers publishing every WINDOW tokens
+    on `decode_store` (another node's store, or the same)."""
     replay = engine_config.replace(replay_window=WINDOW)
     workers: dict[str, Any] = {
-        "prefill": PrefillWorkerActor(engine_config, store_address),
-        "a": DecodeWorkerActor(replay, store_address),
-        "b": DecodeWorkerActor(replay, store_address),
+        "prefill": PrefillWorkerActor(engine_config, prefill_store),
+        "a": DecodeWorkerActor(replay, decode_store),
+        "b": DecodeWorkerActor(replay, decode_store),
     }
     for name, worker in workers.items():
         worker.worker_id = f"{name}-worker"  # one process: the default ids (host, pid) would be equal
@@ -65,9 +67,29 @@ def workers(engine_config, store_server) -> Iterator[dict[str, Any]]:
     assert publisher is not None
     ended = publisher.end
     publisher.end = lambda rid: None if rid in LOST else ended(rid)  # type: ignore[method-assign]
+    return workers
+
+
+@pytest.fixture(scope="module")
+def workers(engine_config, store_server) -> Iterator[dict[str, Any]]:
+    """The workers of one node: one store."""
+    workers = _start(engine_config, store_server[1], store_server[1])
     yield workers
     for worker in workers.values():
         worker.shutdown()
+
+
+@pytest.fixture(scope="module")
+def one_hop(engine_config, store_server) -> Iterator[tuple[dict[str, Any], StateStore, str]]:
+    """The prefill on another node: its own store (the other), the decode workers on store_server."""
+    other = StateStore.from_config(StoreConfig(memory_bytes=64 << 20))
+    server = StateStoreServer(other, "127.0.0.1", 0)
+    workers = _start(engine_config, server.address, store_server[1])
+    yield workers, other, server.address
+    for worker in workers.values():
+        worker.shutdown()
+    server.stop(grace_s=0)
+    other.close()
 
 
 def _store(store_server) -> StateStoreClient:
@@ -75,16 +97,20 @@ def _store(store_server) -> StateStoreClient:
 
 
 def _lose_after(
-    workers, rid: str, params: SamplingParams, num_sent: int
+    workers, rid: str, params: SamplingParams, num_sent: int, source: str = ""
 ) -> tuple[list[int], decode_pb2.ResumeFrom]:
     """Decode `rid` on worker a until `num_sent` tokens came, then lose a as a dead process would
-    (its stream broken, nothing it keeps released); (tokens sent, where a kept the state)."""
+    (its stream broken, nothing it keeps released); (tokens sent, where a kept the state). With
+    `source`, the prefill's state is reserved in that store (one hop from another node)."""
     a = workers["a"]
     sp = sampling_params_to_proto(params)
     with make_channel(workers["prefill"].address) as pc, make_channel(a.address) as dc:
         decode = decode_pb2_grpc.DecodeStub(dc)
         reserved = decode.Reserve(
-            decode_pb2.ReserveRequest(request_id=rid, num_prompt_tokens=len(PROMPT), timeout_s=30), timeout=30
+            decode_pb2.ReserveRequest(
+                request_id=rid, num_prompt_tokens=len(PROMPT), timeout_s=30, source_store_address=source
+            ),
+            timeout=30,
         )
         assert reserved.accepted, reserved.reject_reason
         first = prefill_pb2_grpc.PrefillStub(pc).Prefill(
@@ -232,6 +258,26 @@ def test_a_long_decode_keeps_bounded_kda_state_and_resumes_exactly(
     assert kept + [t for d in deltas for t in d.token_ids] == offline_long[kind]
     _end_on_a(workers, rid)
     _assert_store_empty(workers, store_server)
+
+
+@pytest.mark.parametrize("kind", sorted(PARAMS))
+def test_a_prompt_state_from_another_nodes_store_is_kept_here_for_failover(
+    one_hop, store_server, offline, kind
+):
+    """One hop: the decode read the prompt state from the prefill's node store (which frees it
+    once read), so worker a keeps a copy in its own node's store; b resumes from there exactly."""
+    workers, other, other_address = one_hop
+    rid = f"one-hop-{kind}"
+    sent, where = _lose_after(workers, rid, PARAMS[kind], NUM_BEFORE_LOSS, source=other_address)
+    assert where.store_address == store_server[1]  # a's node store, not the prefill's
+    with _store(store_server) as client:
+        found = read_stored_state(client, where.state_key, rid, len(PROMPT), len(sent), 10)
+        assert found.num_pieces >= 2
+    deltas = _resume_on_b(workers, rid, PARAMS[kind], sent, where)
+    assert sent + [t for d in deltas for t in d.token_ids] == offline[kind]
+    _end_on_a(workers, rid)
+    _assert_store_empty(workers, store_server)
+    assert other.stats().num_keys - other.stats().num_prefix_keys == 0  # the original, released
 
 
 def _end_on_a(workers, rid: str) -> None:
