@@ -9,6 +9,7 @@ a request that ends normally leaves nothing in the store."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -173,16 +174,10 @@ def test_a_corrupt_piece_is_data_loss(workers, store_server, offline):
     sent, where = _lose_after(workers, rid, PARAMS["greedy"], NUM_BEFORE_LOSS)
     copy = f"test/{rid}"
     with _store(store_server) as client:
-        prompt = [
-            Chunk(dataclasses.replace(c.meta, key=copy), bytes(c.data))
-            for c in client.get(where.state_key, timeout_s=10)
-        ]
-        client.put(prompt, owner="test", seal=True)
-        data = b"\0" * 64
+        _copy(client, where.state_key, copy)
         span = (len(PROMPT), len(PROMPT) + WINDOW)
         for key in (piece_key(copy, len(PROMPT)), kda_key(copy, len(PROMPT))):  # rows and KDA part
-            meta = ChunkMeta(key, 0, StateKind.KDA_CONV, "uint8", (64,), *span, checksum.compute(data))
-            client.put([Chunk(meta, data)], owner="test", seal=True)
+            _put_garbage(client, key, span)
         with pytest.raises(grpc.RpcError) as failed:
             _resume_on_b(
                 workers,
@@ -223,7 +218,7 @@ def offline_long(engine_config) -> dict[str, list[int]]:
 
 @pytest.mark.parametrize("kind", sorted(PARAMS))
 def test_a_long_decode_keeps_bounded_kda_state_and_resumes_exactly(
-    workers, store_server, offline_long, kind
+    workers, store_server, offline_long, kind, caplog
 ):
     """Worker a decodes a whole long request and keeps what it held at the end (as if it died
     then): the store holds every piece's MLA rows but the KDA parts of at most two pieces (the
@@ -249,6 +244,17 @@ def test_a_long_decode_keeps_bounded_kda_state_and_resumes_exactly(
         kda = [info for s in starts if (info := client.lookup(kda_key(where.state_key, s))) is not None]
         assert 1 <= len(kda) <= 2, [info.key for info in kda]
         assert sum(info.num_bytes for info in kda) <= 2 * base_kda_bytes
+        # a copy whose newest checkpoint is unreadable (b releases a's keys once it resumed)
+        copy = f"test/{rid}"
+        for key in [where.state_key] + [piece_key(where.state_key, s) for s in starts]:
+            _copy(client, key, copy + key[len(where.state_key) :])
+        for info in kda:
+            start = int(info.key.split("/")[-2])
+            if any(c.kind is StateKind.KDA_RECURRENT and c.token_start == 0 for c in info.chunks):
+                # looks like a checkpoint (a recurrent state from token 0) but is none
+                _put_garbage(client, kda_key(copy, start), (0, start + WINDOW), StateKind.KDA_RECURRENT)
+            else:
+                _copy(client, info.key, kda_key(copy, start))
     assert workers["a"].replay_publisher.stats.num_kda_released - released_before >= num_pieces - 2
     kept = sent[: LONG - 3]  # the client got all but 3: b rebuilds from the newest checkpoint
     with _store(store_server) as client:
@@ -256,6 +262,17 @@ def test_a_long_decode_keeps_bounded_kda_state_and_resumes_exactly(
         assert (found.num_tokens, found.num_pieces) == (starts[-1] + WINDOW, num_pieces)
     deltas = _resume_on_b(workers, rid, params, kept, where)
     assert kept + [t for d in deltas for t in d.token_ids] == offline_long[kind]
+    # the newest checkpoint unreadable: the reader falls back to the base (the KDA parts before it
+    # are gone) and b recomputes every token sent; still exact
+    with _store(store_server) as client:
+        with caplog.at_level(logging.INFO, logger="decode_worker.stored_resume"):
+            fallback = read_stored_state(client, copy, rid, n, len(kept), 10)
+        assert "trying an earlier checkpoint" in caplog.text
+        assert fallback.num_tokens == n
+        resumed_from = decode_pb2.ResumeFrom(store_address=where.store_address, state_key=copy)
+        deltas = _resume_on_b(workers, f"{rid}-fallback", params, kept, resumed_from)
+        assert kept + [t for d in deltas for t in d.token_ids] == offline_long[kind]
+        client.release(owner="test")
     _end_on_a(workers, rid)
     _assert_store_empty(workers, store_server)
 
@@ -278,6 +295,21 @@ def test_a_prompt_state_from_another_nodes_store_is_kept_here_for_failover(
     _end_on_a(workers, rid)
     _assert_store_empty(workers, store_server)
     assert other.stats().num_keys - other.stats().num_prefix_keys == 0  # the original, released
+
+
+def _copy(client: StateStoreClient, key: str, to: str) -> None:
+    """A copy of `key` under `to` (owner "test")."""
+    chunks = [Chunk(dataclasses.replace(c.meta, key=to), bytes(c.data)) for c in client.get(key, timeout_s=10)]
+    client.put(chunks, owner="test", seal=True)
+
+
+def _put_garbage(
+    client: StateStoreClient, key: str, span: tuple[int, int], kind: StateKind = StateKind.KDA_CONV
+) -> None:
+    """Under `key` (owner "test"), a state that is no replay piece's: one layer's `kind` alone."""
+    data = b"\0" * 64
+    meta = ChunkMeta(key, 0, kind, "uint8", (64,), *span, checksum.compute(data))
+    client.put([Chunk(meta, data)], owner="test", seal=True)
 
 
 def _end_on_a(workers, rid: str) -> None:
