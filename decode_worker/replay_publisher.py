@@ -25,7 +25,9 @@ SKIPS the publish and returns False: the engine then does not advance the reques
 end, so its next publish starts where the last written one ended and carries a checkpoint
 (drop-to-checkpoint), and the stored pieces still chain without a gap. Writes that fail are
 logged and counted; a reader then finds the chain shorter (it resumes from an earlier piece and
-recomputes more tokens) or, if a piece is unreadable, falls back to re-prefilling.
+recomputes more tokens), rebuilds from an earlier checkpoint when a KDA part is unreadable, or,
+if MLA rows are, falls back to re-prefilling. Between a checkpoint's write and the release of the
+parts it supersedes a request briefly holds one more checkpoint's worth.
 """
 
 from __future__ import annotations
