@@ -12,7 +12,9 @@ the writer starts (a decode reservation), so writing and reading overlap; a tran
 the reader holds every chunk, verified (its clock, `time.perf_counter`, is CLOCK_MONOTONIC, the
 writer's too; the pipe that tells the writer so is not timed). Transports:
 
-* `shm`: the store's shared-memory arena, one copy in, zero-copy views out; `shm+scatter` also
+* `shm`: the store's shared-memory arena, one copy in, zero-copy views out, the writer's first
+  region leased ahead when its previous put finished (`spare_region`; `--no-spare-region`:
+  allocated when the put opens); `shm+scatter` also
   copies each chunk into one destination array (the engine's scatter into its cache);
 * `gRPC`: the bytes streamed by the store (a reader on another node without a transfer engine);
 * `mooncake`: the reader pulls the arena's regions through Mooncake Transfer Engine over TCP on
@@ -173,6 +175,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--piece-mib", type=float, default=2.0)
     parser.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS)
+    parser.add_argument(
+        "--no-spare-region",
+        action="store_true",
+        help="the writer allocates each put's region when it opens the put (no region leased ahead)",
+    )
     args = parser.parse_args()
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
@@ -194,7 +201,7 @@ def main() -> None:
         target=read_keys, args=(address, "mooncake" in args.transports, reader_end)
     )
     reader_process.start()
-    client = StateStoreClient(address, timeout_s=300)
+    client = StateStoreClient(address, timeout_s=300, spare_region=not args.no_spare_region)
     assert client.local_arena() is not None, "no shared-memory arena: is /dev/shm there?"
     print(f"{'size':>8} {'memcpy':>7}" + "".join(f" {kind:>11} {'':>5}" for kind in TRANSPORTS) + "  GB/s")
     try:

@@ -10,18 +10,36 @@ import threading
 from typing import TYPE_CHECKING
 
 from splitserve.state.chunk import ChunkId, ChunkMeta, can_cut
-from splitserve.state.errors import InvalidChunkError, KeySealedError, StateReleasedError, StoreFullError
+from splitserve.state.errors import (
+    InvalidChunkError,
+    KeySealedError,
+    StateReleasedError,
+    StateStoreError,
+    StoreFullError,
+)
+from splitserve.state.shm import SPARE_PREFIX
 from state_store.tiered import RegionId
 
 if TYPE_CHECKING:
-    from state_store.arena import Arena
+    from state_store.arena import Arena, Region
     from state_store.entry import Entry
     from state_store.tiered import TieredStorage
 
 
+def is_spare_key(key: str) -> bool:
+    """Whether `key` names a writer's spare region (`StateStoreClient(spare_region=True)`)."""
+    return key.startswith(SPARE_PREFIX)
+
+
 class RegionWrites:
     """`allocate` and `put_region`: a writer on the node fills an arena region, then commits the
-    chunks in it; no byte passes through the store."""
+    chunks in it; no byte passes through the store.
+
+    A writer may lease a region ahead under a spare key (`SPARE_PREFIX`, its own lease, owned by
+    the writer): its first commit naming that region under another key of the same owner moves
+    the region to that key (`_adopt_spare_locked`), so the `Allocate` round trip is off the
+    transfer's path. A spare never used is freed when its lease runs out, or with its owner.
+    """
 
     if TYPE_CHECKING:
         arena: Arena | None
@@ -29,6 +47,8 @@ class RegionWrites:
         _lock: threading.Lock
         _closed: bool
         _tiers: TieredStorage
+        _entries: dict[str, Entry]
+        _spare_regions: dict[str, str]
 
         def _expire_locked(self) -> int: ...
         def _writable_locked(self, key: str, owner: str, lease_s: float | None) -> Entry: ...
@@ -37,6 +57,7 @@ class RegionWrites:
             self, key: str, oid: ChunkId | RegionId, data: bytes | memoryview, **kwargs: bool
         ) -> list[tuple[str, str]]: ...
         def _notify_locked(self, key: str) -> None: ...
+        def _drop_locked(self, entry: Entry, cls: type[StateStoreError], why: str) -> int: ...
 
     def allocate(self, key: str, *, owner: str, num_bytes: int, lease_s: float | None = None) -> str:
         """A new arena region of `num_bytes` for `key` (created, owned by `owner`, if new); its name.
@@ -62,6 +83,8 @@ class RegionWrites:
                         f"cannot hold a {num_bytes}-byte region of key {key!r}: {e}"
                     ) from None
                 entry.regions[region.name] = region
+                if is_spare_key(key):
+                    self._spare_regions[region.name] = key
                 for lost_key, why in lost:
                     self._evict_locked(lost_key, why)
         except BaseException:
@@ -96,7 +119,7 @@ class RegionWrites:
                 raise StateReleasedError("the state store is closed")
             self._expire_locked()
             entry = self._writable_locked(meta.key, owner, lease_s)
-            place = entry.regions.get(region)
+            place = entry.regions.get(region) or self._adopt_spare_locked(entry, region, owner)
             if place is None:
                 raise InvalidChunkError(f"{meta.describe()} names region {region!r}, not one of its key's")
             if offset < 0 or offset + meta.num_bytes > place.num_bytes:
@@ -110,3 +133,22 @@ class RegionWrites:
             entry.sealed = final
             entry.cond.notify_all()
             self._notify_locked(meta.key)
+
+    def _adopt_spare_locked(self, entry: Entry, name: str, owner: str) -> Region | None:
+        """Moves region `name` from its spare key, if `owner` holds it there, to `entry`'s key
+        (counted, pinned, freed with it from now on); the emptied spare key is dropped. None if
+        no spare of `owner` holds it (a wrong name, or a spare whose lease ran out)."""
+        spare_key = self._spare_regions.get(name)
+        spare = self._entries.get(spare_key) if spare_key is not None else None
+        if spare is None or spare.owner != owner or name not in spare.regions or spare is entry:
+            return None
+        region = spare.regions.pop(name)
+        del self._spare_regions[name]
+        self._tiers.remove(RegionId(spare.key, name))
+        # the bytes just left the tier, so this put fits without evicting anything
+        self._tier_put_locked(entry.key, RegionId(entry.key, name), region.view, pin=True, memory_only=True)
+        entry.regions[name] = region
+        self._drop_locked(
+            spare, StateReleasedError, f"spare key {spare.key!r} gave its region to {entry.key!r}"
+        )
+        return region

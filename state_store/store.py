@@ -86,6 +86,7 @@ class StateStore(RegionWrites, PolledReads, PrefixCatalog):
         self._stats = StoreStats()
         self._closed = False
         self._watchers: dict[str, set[Callable[[], object]]] = {}  # async readers (`watch`)
+        self._spare_regions: dict[str, str] = {}  # region name -> the spare key holding it (RegionWrites)
 
     @classmethod
     def from_config(cls, config: StoreConfig, *, clock: Clock = time.monotonic) -> StateStore:
@@ -367,6 +368,7 @@ class StateStore(RegionWrites, PolledReads, PrefixCatalog):
             if cid not in entry.locations:
                 self._tiers.remove(cid)
         for region in entry.regions.values():
+            self._spare_regions.pop(region.name, None)
             self._tiers.remove(RegionId(entry.key, region.name))
             if self.arena is not None:
                 self.arena.free(region)

@@ -14,6 +14,7 @@ from splitserve.state.chunk import Chunk, StateKind
 from splitserve.state.errors import StateUnavailableError
 from splitserve.state.records import NO_PREFIX_MATCH, KeyInfo, PrefixMatch, ReleaseResult, StoreStats
 from splitserve.state.shm import LocalArena, first_region_bytes
+from splitserve.state.spare_region import SpareRegion
 from splitserve.state.status import error_from_rpc
 from splitserve.state.streams import ChunkStream, PutStream
 from splitserve.state.transport import RemoteRegions, TransportClient, TransportEndpoint
@@ -35,7 +36,8 @@ class StateStoreClient:
 
     Owns the channel (`close`, or use as a context manager). Thread-safe: gRPC channels and stubs
     are. Unary calls take `timeout_s`; `put` has no deadline of its own, `open_put` is bounded by
-    its `finish`, `get` by its `timeout_s`.
+    its `finish`, `get` by its `timeout_s`. With `spare_region`, a finished `open_put` leases the
+    next put's first region ahead (`SpareRegion`; off unless asked: it holds a region between puts).
     """
 
     def __init__(
@@ -44,6 +46,7 @@ class StateStoreClient:
         *,
         timeout_s: float = 30.0,
         max_message_bytes: int = rpc.MAX_MESSAGE_BYTES,
+        spare_region: bool = False,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
@@ -52,6 +55,7 @@ class StateStoreClient:
         self._arena: LocalArena | None = None
         self._arena_probe: Path | None = None  # the probe file of the arena last found
         self._arena_checked = False
+        self._spare = SpareRegion(self._allocate_spare, self._release_spare) if spare_region else None
 
     def local_arena(self) -> LocalArena | None:
         """The store's shared-memory arena if this process shares its node (asked once, then
@@ -146,12 +150,17 @@ class StateStoreClient:
         def allocate(key: str, layer: int, kind: StateKind, num_bytes: int) -> str:
             return self.allocate(key, layer, kind, num_bytes, owner=owner, lease_s=lease_s)
 
-        first_region = None
-        if arena is not None and expected_bytes:  # ask now: the round trip overlaps the first layer
+        first_region = on_finish = None
+        if arena is not None and expected_bytes:
             num_bytes = first_region_bytes(expected_bytes)
-            request = self._allocate_request(key, 0, StateKind.KDA_RECURRENT, num_bytes, owner, lease_s)
-            pending = self._stub.Allocate.future(request, timeout=self.timeout_s)
-            first_region = functools.partial(self._call, lambda: pending.result().region)
+            spare = self._spare
+            first_region = spare.take(num_bytes, owner, arena) if spare is not None else None
+            if first_region is None:  # ask now: the round trip overlaps the first layer
+                request = self._allocate_request(key, 0, StateKind.KDA_RECURRENT, num_bytes, owner, lease_s)
+                pending = self._stub.Allocate.future(request, timeout=self.timeout_s)
+                first_region = functools.partial(self._call, lambda: pending.result().region)
+            if spare is not None:
+                on_finish = functools.partial(spare.refill, num_bytes, owner, arena)
 
         return PutStream(
             self._stub,
@@ -162,7 +171,15 @@ class StateStoreClient:
             allocate=allocate,
             expected_bytes=expected_bytes,
             first_region=first_region,
+            on_finish=on_finish,
         )
+
+    def _allocate_spare(self, key: str, num_bytes: int, owner: str, lease_s: float) -> grpc.Future:
+        request = self._allocate_request(key, 0, StateKind.KDA_RECURRENT, num_bytes, owner, lease_s)
+        return self._stub.Allocate.future(request, timeout=self.timeout_s)
+
+    def _release_spare(self, key: str) -> grpc.Future:
+        return self._stub.Release.future(store_pb2.ReleaseRequest(key=key), timeout=self.timeout_s)
 
     def seal(self, key: str, *, owner: str) -> None:
         self._call(lambda: self._stub.Put(iter([seal_message(key, owner)]), timeout=self.timeout_s))
@@ -249,6 +266,8 @@ class StateStoreClient:
     def release(self, key: str | None = None, *, owner: str | None = None) -> ReleaseResult:
         if (key is None) == (owner is None):
             raise ValueError("release takes exactly one of key= or owner=")
+        if owner is not None and self._spare is not None:
+            self._spare.forget()  # the store frees it with the owner's other keys
         request = (
             store_pb2.ReleaseRequest(key=key) if key is not None else store_pb2.ReleaseRequest(owner=owner)
         )

@@ -96,6 +96,7 @@ MIN_SLAB_BYTES = 8 << 20  # a writer's first region, unless told the state's siz
 MAX_SLAB_BYTES = 256 << 20  # regions double up to this, so a big state needs few Allocate calls
 ALIGN_BYTES = 64  # every piece starts aligned (a cache line), so any dtype can view it in place
 SLACK_BYTES = 64 << 10  # room an expected size gets for alignment padding (1,024 pieces' worth)
+SPARE_PREFIX = "spare-region/"  # keys of regions writers lease ahead for their next put
 
 
 def first_region_bytes(expected_bytes: int) -> int:

@@ -71,6 +71,7 @@ class PutStream:
     through shared memory (one copy each, several pieces per region: `SlabWriter`, whose first
     region is `expected_bytes` if given) and are committed by reference, those ready together in
     one PutBatch message (`_batches`); without, they are cut into chunks and sent as bytes.
+    `on_finish` runs after a successful `finish` (the client leases its next spare region there).
     """
 
     def __init__(
@@ -84,10 +85,12 @@ class PutStream:
         allocate: Allocator | None = None,
         expected_bytes: int | None = None,
         first_region: Callable[[], str] | None = None,
+        on_finish: Callable[[], None] | None = None,
     ) -> None:
         self.key, self.owner, self.lease_s = key, owner, lease_s or 0.0
         self.expected_bytes = expected_bytes
         self._first_region = first_region
+        self._on_finish = on_finish
         self._slabs: SlabWriter | None = None
         self.arena = arena if allocate is not None else None
         self._allocate = allocate
@@ -155,6 +158,8 @@ class PutStream:
             raise error_from_rpc(e) from None
         if self._error is not None:
             raise self._error
+        if self._on_finish is not None:  # after the ack: off the transfer's path
+            self._on_finish()
         return reply.num_chunks, reply.num_bytes
 
     def cancel(self) -> None:

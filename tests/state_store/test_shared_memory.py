@@ -14,6 +14,7 @@ import pytest
 from splitserve.state import StateKind
 from splitserve.state.client import StateStoreClient
 from splitserve.state.errors import CorruptStateError
+from splitserve.state.streams import PutStream
 from state_store.arena import Arena
 from state_store.memory_tier import MemoryTier
 from state_store.server import StateStoreServer
@@ -37,7 +38,11 @@ def shm_server(arena_root: Path) -> Iterator[StateStoreServer]:
 
 
 def _write_layers(client: StateStoreClient, key: str, layers: list[np.ndarray], **kwargs: object) -> None:
-    put = client.open_put(key, owner="prefill", **kwargs)  # type: ignore[arg-type]
+    write_layers(client.open_put(key, owner="prefill", **kwargs), layers)  # type: ignore[arg-type]
+
+
+def write_layers(put: PutStream, layers: list[np.ndarray]) -> None:
+    """Writes `layers` as one fp32 KDA piece each through `put`, then finishes it."""
     for layer, rows in enumerate(layers):
         put.write_state(
             layer,
