@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import queue
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -16,7 +17,7 @@ from splitserve.state.records import NO_PREFIX_MATCH, KeyInfo, PrefixMatch, Rele
 from splitserve.state.shm import LocalArena, first_region_bytes
 from splitserve.state.spare_region import SpareRegion
 from splitserve.state.status import error_from_rpc
-from splitserve.state.streams import ChunkStream, PutStream
+from splitserve.state.streams import ChunkStream, PutStream, WarmCall
 from splitserve.state.transport import RemoteRegions, TransportClient, TransportEndpoint
 from splitserve.state.wire import (
     KIND_TO_PROTO,
@@ -56,6 +57,7 @@ class StateStoreClient:
         self._arena_probe: Path | None = None  # the probe file of the arena last found
         self._arena_checked = False
         self._spare = SpareRegion(self._allocate_spare, self._release_spare) if spare_region else None
+        self._warm_calls: queue.SimpleQueue[WarmCall] = queue.SimpleQueue()  # opened ahead (spare_region)
 
     def local_arena(self) -> LocalArena | None:
         """The store's shared-memory arena if this process shares its node (asked once, then
@@ -160,7 +162,8 @@ class StateStoreClient:
                 pending = self._stub.Allocate.future(request, timeout=self.timeout_s)
                 first_region = functools.partial(self._call, lambda: pending.result().region)
             if spare is not None:
-                on_finish = functools.partial(spare.refill, num_bytes, owner, arena)
+                on_finish = functools.partial(self._ready_next_put, spare, num_bytes, owner, arena)
+        warm_call = self._take_warm_call() if self._spare is not None else None
 
         return PutStream(
             self._stub,
@@ -172,7 +175,24 @@ class StateStoreClient:
             expected_bytes=expected_bytes,
             first_region=first_region,
             on_finish=on_finish,
+            warm_call=warm_call,
         )
+
+    def _ready_next_put(self, spare: SpareRegion, num_bytes: int, owner: str, arena: LocalArena) -> None:
+        """After a put's ack: a region and a PutBatch call ready for the next one."""
+        spare.refill(num_bytes, owner, arena)
+        if self._warm_calls.empty():
+            self._warm_calls.put(WarmCall(self._stub))
+
+    def _take_warm_call(self) -> WarmCall | None:
+        while True:
+            try:
+                warm = self._warm_calls.get_nowait()
+            except queue.Empty:
+                return None
+            if warm.usable:
+                return warm
+            warm.close()
 
     def _allocate_spare(self, key: str, num_bytes: int, owner: str, lease_s: float) -> grpc.Future:
         request = self._allocate_request(key, 0, StateKind.KDA_RECURRENT, num_bytes, owner, lease_s)
@@ -280,6 +300,8 @@ class StateStoreClient:
         )
 
     def close(self) -> None:
+        while (warm := self._take_warm_call()) is not None:
+            warm.close()  # ends gRPC's thread waiting for its messages
         self._channel.close()
 
     def __enter__(self) -> StateStoreClient:

@@ -61,6 +61,39 @@ BATCH_MAX_CHUNKS = 1024  # and at most this many commits (~100 bytes each) per m
 _READY = common_pb2.StateChunk()  # from `_messages`: nothing more is queued yet, send what was made
 
 
+class WarmCall:
+    """A PutBatch call opened before its put (`StateStoreClient(spare_region=True)` opens the
+    next one when a put finishes): starting a streaming call costs Python gRPC 0.7-0.9 ms, a
+    seventh of a 16 MiB handoff. Its request iterator blocks gRPC's sending thread until a
+    `PutStream` attaches its messages (`attach`, once); `close` ends a call never used."""
+
+    def __init__(self, stub: store_pb2_grpc.StateStoreStub) -> None:
+        self._source: Iterator[store_pb2.StateChunks] | None = None
+        self._attached: queue.SimpleQueue[Iterator[store_pb2.StateChunks]] = queue.SimpleQueue()
+        self.call = stub.PutBatch.future(self)
+
+    @property
+    def usable(self) -> bool:
+        """False once the call ended (cancelled, the channel closed, the store went away)."""
+        return not self.call.done()
+
+    def attach(self, messages: Iterator[store_pb2.StateChunks]) -> grpc.Future:
+        self._attached.put(messages)
+        return self.call
+
+    def close(self) -> None:
+        self.call.cancel()
+        self._attached.put(iter(()))
+
+    def __iter__(self) -> WarmCall:
+        return self
+
+    def __next__(self) -> store_pb2.StateChunks:
+        if self._source is None:
+            self._source = self._attached.get()
+        return next(self._source)
+
+
 class PutStream:
     """One client-streaming Put of one key, open until `finish` (seal and wait) or `cancel`.
 
@@ -71,7 +104,8 @@ class PutStream:
     through shared memory (one copy each, several pieces per region: `SlabWriter`, whose first
     region is `expected_bytes` if given) and are committed by reference, those ready together in
     one PutBatch message (`_batches`); without, they are cut into chunks and sent as bytes.
-    `on_finish` runs after a successful `finish` (the client leases its next spare region there).
+    `on_finish` runs after a successful `finish` (the client leases its next spare region there);
+    a `warm_call` (opened ahead, unused) carries the put instead of a new call.
     """
 
     def __init__(
@@ -86,6 +120,7 @@ class PutStream:
         expected_bytes: int | None = None,
         first_region: Callable[[], str] | None = None,
         on_finish: Callable[[], None] | None = None,
+        warm_call: WarmCall | None = None,
     ) -> None:
         self.key, self.owner, self.lease_s = key, owner, lease_s or 0.0
         self.expected_bytes = expected_bytes
@@ -98,7 +133,8 @@ class PutStream:
         self._seal = False
         self._error: BaseException | None = None
         self._closed = threading.Event()
-        self._call = stub.PutBatch.future(self._batches())
+        batches = self._batches()
+        self._call = warm_call.attach(batches) if warm_call is not None else stub.PutBatch.future(batches)
 
     def write(self, chunks: Iterable[Chunk]) -> None:
         """Queues `chunks` (a list, or a generator to run on the sending thread)."""

@@ -109,3 +109,18 @@ def test_an_expired_spare_is_freed_with_its_lease(server: StateStoreServer) -> N
     store.allocate("late", owner="prefill", num_bytes=8)
     with pytest.raises(InvalidChunkError, match="not one of its key's"):
         store.put_region(meta, region, 0, owner="prefill")
+
+
+def test_a_put_stream_is_opened_ahead_and_carries_the_next_put(server: StateStoreServer) -> None:
+    with StateStoreClient(server.address, timeout_s=WAIT_S, spare_region=True) as client:
+        _put(client, "first")
+        assert not client._warm_calls.empty()  # opened when the first put finished
+        put = client.open_put("second", owner="prefill", expected_bytes=NUM_BYTES)
+        assert client._warm_calls.empty()  # taken by this put
+        write_layers(put, LAYERS)
+        assert all(np.array_equal(a, b) for a, b in zip(_read(client, "second"), LAYERS, strict=True))
+        _put(client, "third")
+        unused = client._warm_calls.get_nowait()
+        client._warm_calls.put(unused)
+    assert not unused.usable  # closing the client ended the call nobody used
+    assert unused.call.cancelled()
