@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -55,6 +56,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.state_timeout_s = state_timeout_s
         self._readers: dict[str, StateReader] = {}
         self._lock = threading.Lock()
+        self._reservation_ids = itertools.count()  # next() is atomic under the GIL
         self.kept = KeptStreams(loop, worker_id, self.store, publisher, state_timeout_s)
 
     def close(self) -> None:
@@ -109,7 +111,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if not context.is_active():  # the caller gave up (its deadline passed): it will never abort it
             self._abort_engine(rid)
             return decode_pb2.ReserveResponse(accepted=False, reject_reason="the caller is gone")
-        key = f"{self.worker_id}/{rid}"
+        # One key per reservation: a failover that reserves here again for the same request must
+        # not meet the sealed key of an attempt whose read failed (ALREADY_EXISTS for its prefill).
+        key = f"{self.worker_id}/{rid}/{next(self._reservation_ids)}"
         timeout_s = request.timeout_s or self.state_timeout_s
         source = self._source(request.source_store_address)
         # the arena only of this node's store: another node's state comes over the network

@@ -39,6 +39,10 @@ KEEPALIVE_TIME_MS = 30_000
 # MAX_PING_STRIKES of them, closes the connection with GOAWAY too_many_pings.
 MIN_RECV_PING_INTERVAL_MS = KEEPALIVE_TIME_MS // 2
 MAX_PING_STRIKES = 2  # gRPC's default, kept: a peer pinging faster than the policy is still cut off
+# A channel whose peer went away retries with exponential backoff, by default up to 120 s: a worker
+# or store restarted at the same address in seconds stayed unreachable through a cached channel for
+# minutes (seen: a decode reading a restarted store failed fast with UNAVAILABLE). Capped here.
+MAX_RECONNECT_BACKOFF_MS = 2_000
 
 
 def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> Options:
@@ -58,6 +62,8 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> Options:
         ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),  # default 2 would stop pinging a quiet stream
+        ("grpc.initial_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS // 10),
+        ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
     ]
 
 

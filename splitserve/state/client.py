@@ -237,7 +237,12 @@ class StateStoreClient:
             regions=arena is not None,
         )
         deadline_s = None if timeout_s is None else timeout_s + DEADLINE_GRACE_S
-        return ChunkStream(self._stub.GetBatch(request, timeout=deadline_s), arena)
+        # A reader waiting for a key also waits for a store that is restarting at this address
+        # (its channel still backing off), within the deadline, instead of failing at once; other
+        # reads have a fallback (compute, re-prefill) and fail fast.
+        wait_for_ready = wait_for_key and deadline_s is not None
+        call = self._stub.GetBatch(request, timeout=deadline_s, wait_for_ready=wait_for_ready)
+        return ChunkStream(call, arena)
 
     def lookup(self, key: str) -> KeyInfo | None:
         reply = self._call(
