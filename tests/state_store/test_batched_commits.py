@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from splitserve.state import StateKind
 from splitserve.state.client import StateStoreClient
 from splitserve.state.shm import SlabWriter
 from splitserve.v1 import store_pb2
@@ -19,6 +18,7 @@ from state_store.memory_tier import MemoryTier
 from state_store.server import StateStoreServer
 from state_store.servicer import StateStoreServicer
 from state_store.store import StateStore
+from tests.state_store.test_shared_memory import write_piece
 
 WAIT_S = 30.0
 
@@ -56,16 +56,7 @@ def _piece(layer: int) -> np.ndarray:
 
 
 def _write(put, layer: int) -> None:  # type: ignore[no-untyped-def]
-    data = _piece(layer)
-    put.write_state(
-        layer,
-        StateKind.KDA_RECURRENT,
-        data.data,
-        dtype="float32",
-        shape=data.shape,
-        token_start=0,
-        token_end=9,
-    )
+    write_piece(put, layer, _piece(layer))
 
 
 def test_a_backlog_of_pieces_goes_in_one_message(

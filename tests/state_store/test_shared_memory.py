@@ -41,18 +41,23 @@ def _write_layers(client: StateStoreClient, key: str, layers: list[np.ndarray], 
     write_layers(client.open_put(key, owner="prefill", **kwargs), layers)  # type: ignore[arg-type]
 
 
+def write_piece(put: PutStream, layer: int, rows: np.ndarray) -> None:
+    """Writes `rows` as layer `layer`'s fp32 KDA piece through `put` (not finished)."""
+    put.write_state(
+        layer,
+        StateKind.KDA_RECURRENT,
+        rows.data,
+        dtype="float32",
+        shape=rows.shape,
+        token_start=0,
+        token_end=9,
+    )
+
+
 def write_layers(put: PutStream, layers: list[np.ndarray]) -> None:
     """Writes `layers` as one fp32 KDA piece each through `put`, then finishes it."""
     for layer, rows in enumerate(layers):
-        put.write_state(
-            layer,
-            StateKind.KDA_RECURRENT,
-            rows.data,
-            dtype="float32",
-            shape=rows.shape,
-            token_start=0,
-            token_end=9,
-        )
+        write_piece(put, layer, rows)
     put.finish(timeout_s=WAIT_S)
 
 
