@@ -7,7 +7,7 @@ and its tokens replayed later) or, with a `Swapper` (engine/swap_space.py) and a
 decoding, by swap (its state is copied out before its blocks and slot are freed, and scattered
 back into new ones when it is admitted again; a swap the space refuses or loses falls back to
 recompute). A prefill chunk is as long as the budget left allows. The scheduler decides; it
-never touches tensors.
+touches no tensor itself (a swap's copies are the swapper's).
 
 With a prefix cache (`engine.prefix_cache`), a request admitted from the queue starts at its hit
 (the cache copies what it needs into the request's own blocks and slot), its chunks end exactly at
