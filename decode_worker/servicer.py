@@ -113,7 +113,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             return decode_pb2.ReserveResponse(accepted=False, reject_reason="the caller is gone")
         # One key per reservation: a failover that reserves here again for the same request must
         # not meet the sealed key of an attempt whose read failed (ALREADY_EXISTS for its prefill).
-        key = f"{self.worker_id}/{rid}/{next(self._reservation_ids)}"
+        # A gateway that starts the prefill while reserving names the key itself (one per attempt).
+        key = request.state_key or f"{self.worker_id}/{rid}/{next(self._reservation_ids)}"
         timeout_s = request.timeout_s or self.state_timeout_s
         source = self._source(request.source_store_address)
         # the arena only of this node's store: another node's state comes over the network
