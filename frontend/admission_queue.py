@@ -10,8 +10,13 @@ request get 429 (with `Retry-After`); a request that needs more slots than the w
 can never run and gets 400 saying so. Either refusal happens before any worker is touched, so a
 refusal holds nothing anywhere.
 
-While the capacity is unknown (no Stats answered yet, or no decode worker), requests are admitted
-and the pipeline's own errors apply (503 with no worker). Runs on the app's event loop only.
+While decode workers are listed (`decode_listed()`) but none has answered Stats yet (just after
+the deployment starts, or after every decode worker was replaced: `measuring`), a request waits
+in the FIFO for that first answer, up to `measuring_wait_s`, instead of being admitted blind: a
+burst that arrives then queues rather than meeting the workers' own refusals (429 "every decode
+worker is full"). While the capacity is unknown otherwise (no decode worker listed), or once that
+wait is over, requests are admitted and the pipeline's own errors apply (503 with no worker).
+Runs on the app's event loop only.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import asyncio
 import collections
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -29,6 +35,7 @@ from frontend.metrics import GatewayMetrics
 
 logger = logging.getLogger(__name__)
 
+MEASURING_WAIT_S = 5.0  # the longest a request waits for a listed decode pool's first Stats
 _QUEUED_BUCKETS_S = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
@@ -103,19 +110,33 @@ class AdmissionQueue:
     a waiter that is cancelled (its client left) leaves the queue and holds nothing.
     """
 
-    def __init__(self, max_queued_requests: int, metrics: QueueMetrics) -> None:
+    def __init__(
+        self,
+        max_queued_requests: int,
+        metrics: QueueMetrics,
+        decode_listed: Callable[[], bool] | None = None,
+        measuring_wait_s: float = MEASURING_WAIT_S,
+    ) -> None:
         self.max_queued_requests = max_queued_requests
         self.metrics = metrics
+        self.decode_listed = decode_listed or (lambda: False)
+        self.measuring_wait_s = measuring_wait_s
         self.capacity_slots: int | None = None
         self.num_slots_in_use = 0
         self._waiters: collections.deque[_Waiter] = collections.deque()
+
+    @property
+    def measuring(self) -> bool:
+        """Decode workers are listed but none has answered Stats yet: requests wait for it."""
+        return self.capacity_slots is None and self.decode_listed()
 
     @property
     def num_queued(self) -> int:
         return len(self._waiters)
 
     def set_capacity(self, capacity_slots: int | None) -> None:
-        """The decode pool's slots as last measured (None or 0: unknown, admit everything)."""
+        """The decode pool's slots as last measured (None or 0: unknown; admit everything unless
+        `measuring`)."""
         self.capacity_slots = capacity_slots or None
         self.metrics.capacity.labels(self.metrics.model_name).set(capacity_slots or 0)
         self._admit_waiters()
@@ -140,7 +161,7 @@ class AdmissionQueue:
         self._set_depth()
         start_s = time.monotonic()
         try:
-            await asyncio.wait_for(asyncio.shield(waiter.admitted), timeout_s)
+            await self._wait_admitted(waiter, timeout_s)
         except BaseException as exc:
             self._leave(waiter)
             if isinstance(exc, asyncio.TimeoutError):
@@ -156,6 +177,24 @@ class AdmissionQueue:
         ticket = Ticket(self, num_slots, time.monotonic() - start_s)
         self.metrics.queued_s.labels(self.metrics.model_name).observe(ticket.queued_s)
         return ticket
+
+    async def _wait_admitted(self, waiter: _Waiter, timeout_s: float) -> None:
+        """Until `waiter` is admitted (TimeoutError after `timeout_s`). One queued while the pool
+        is still being measured goes ahead blind after `measuring_wait_s` if no Stats came."""
+        if self.measuring:
+            wait_s = min(self.measuring_wait_s, timeout_s)
+            try:
+                await asyncio.wait_for(asyncio.shield(waiter.admitted), wait_s)
+                return
+            except asyncio.TimeoutError:
+                if self.capacity_slots is None and waiter in self._waiters:
+                    self._waiters.remove(waiter)
+                    self._set_depth()
+                    self._take(waiter.num_slots)
+                    waiter.admitted.set_result(None)
+                    return
+                timeout_s -= wait_s
+        await asyncio.wait_for(asyncio.shield(waiter.admitted), timeout_s)
 
     def _leave(self, waiter: _Waiter) -> None:
         """A waiter gives up (timeout, client gone): out of the queue, or its granted slots back."""
@@ -182,7 +221,9 @@ class AdmissionQueue:
             )
 
     def _fits(self, num_slots: int) -> bool:
-        return self.capacity_slots is None or self.num_slots_in_use + num_slots <= self.capacity_slots
+        if self.capacity_slots is None:
+            return not self.measuring
+        return self.num_slots_in_use + num_slots <= self.capacity_slots
 
     def _admit(self, num_slots: int, queued_s: float) -> Ticket:
         self._take(num_slots)

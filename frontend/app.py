@@ -45,7 +45,9 @@ def build_app(
     router = router if router is not None else make_router(settings.router_policy, settings.prefix_unit)
     clients = clients if clients is not None else WorkerClients(settings.rpc_timeout_s)
     gateway_metrics = GatewayMetrics(settings.model_name)
-    queue = AdmissionQueue(settings.max_queued_requests, QueueMetrics(gateway_metrics))
+    queue = AdmissionQueue(
+        settings.max_queued_requests, QueueMetrics(gateway_metrics), lambda: bool(router.decode_addresses)
+    )
     monitor = LoadMonitor(router, clients, gateway_metrics, settings.stats_refresh_s, queue.set_capacity)
     prefix_metrics = PrefixMetrics(gateway_metrics)
     cache_monitor = (

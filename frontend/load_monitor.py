@@ -4,7 +4,8 @@ One background task per app: every `stats_refresh_s`, or sooner after a routing 
 (`kick()`), it reads `Decode.Stats` from every decode worker and `StateStore.Stats` from every
 store a reservation has named. A worker that does not answer is reported as unmeasurable to
 the router, which then tries it last. After each pass it tells the admission queue the decode
-pool's capacity in slots (every listed worker's, as it last answered; unknown until each has).
+pool's capacity in slots: the listed workers' that have answered, as they last did (a lower
+bound while a new worker's first Stats is pending; unknown while none has).
 """
 
 from __future__ import annotations
@@ -78,8 +79,9 @@ class LoadMonitor:
         # channels to workers and stores that left (restarts and resizes bring new addresses)
         await self.clients.retain({*self.router.prefill_addresses, *decode, *self.store_addresses})
         if self.on_capacity is not None:
-            known = all(a in self._slots for a in decode)
-            self.on_capacity(sum(self._slots.values()) if known and decode else None)
+            # a worker not measured yet adds nothing: the queue admits by the room it knows of
+            # rather than blindly, which would meet the workers' own "full" refusals (429)
+            self.on_capacity(sum(self._slots[a] for a in decode if a in self._slots) or None)
         self.num_refreshes += 1
 
     async def _run(self) -> None:

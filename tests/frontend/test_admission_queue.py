@@ -159,3 +159,36 @@ def test_unknown_capacity_admits_everything() -> None:
             ticket.release()
 
     asyncio.run(main())
+
+
+def test_while_listed_decode_workers_are_unmeasured_requests_queue_for_the_first_stats() -> None:
+    async def main() -> None:
+        queue = AdmissionQueue(8, QueueMetrics(GatewayMetrics("m")), decode_listed=lambda: True)
+        waiting = [asyncio.ensure_future(queue.acquire(1, 30.0)) for _ in range(3)]
+        await _settle()
+        assert queue.measuring and queue.num_queued == 3 and queue.num_slots_in_use == 0
+        queue.set_capacity(2)  # the first Decode.Stats: two slots
+        await _settle()
+        assert [w.done() for w in waiting] == [True, True, False]
+        assert queue.num_slots_in_use == 2 and queue.num_queued == 1
+        waiting[0].result().release()
+        await _settle()
+        assert waiting[2].done()
+        for w in waiting[1:]:
+            w.result().release()
+        assert queue.num_slots_in_use == 0
+
+    asyncio.run(main())
+
+
+def test_an_unmeasured_pool_that_never_answers_admits_blind_after_the_wait() -> None:
+    async def main() -> None:
+        queue = AdmissionQueue(
+            8, QueueMetrics(GatewayMetrics("m")), decode_listed=lambda: True, measuring_wait_s=0.01
+        )
+        ticket = await queue.acquire(3, 30.0)  # no Stats ever came: in it goes, as before
+        assert queue.num_slots_in_use == 3 and queue.num_queued == 0
+        ticket.release()
+        assert queue.num_slots_in_use == 0
+
+    asyncio.run(main())
