@@ -154,6 +154,12 @@ class WorkerClients:
         call = stub.Stats(store_pb2.StatsRequest(), timeout=self.rpc_timeout_s)
         return await self._unary(call, "StateStore.Stats", address)
 
+    async def release_state(self, store_address: str, key: str) -> int:
+        """Frees one stored state (a prefill's that no decode will read); the keys freed."""
+        stub = store_pb2_grpc.StateStoreStub(self._channel(store_address))
+        call = stub.Release(store_pb2.ReleaseRequest(key=key), timeout=self.rpc_timeout_s)
+        return (await self._unary(call, "StateStore.Release", store_address)).num_keys
+
     async def close(self) -> None:
         channels, self._channels = self._channels, {}
         for channel in channels.values():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -113,13 +114,17 @@ class Generation:
             raise unavailable("no decode workers are available; try again later")
         if prefill_address is None:
             return await self._start_on_decode(decode_candidates[0])
-        # One token is all the prefill makes: no decode room to reserve, nor an Abort to free it.
-        reservation = None
-        if self.params.max_tokens != 1:
-            reservation = await self._reserve(decode_candidates, self.p.router.store_of(prefill_address))
+        source_store = self.p.router.store_of(prefill_address)
+        if self.params.max_tokens == 1:
+            # One token is all the prefill makes: no decode room to reserve, nor an Abort to free it.
+            response = await self._prefill(prefill_address, None)
+        elif self._may_reserve_alongside(decode_candidates, source_store):
+            response = await self._prefill_while_reserving(prefill_address, decode_candidates, source_store)
+        else:
+            reservation = await self._reserve(decode_candidates, source_store)
             if self._decode_address in self.p.router.prefill_addresses:
                 prefill_address = self._decode_address  # colocated: the engine holding the room prefills
-        response = await self._prefill(prefill_address, reservation)
+            response = await self._prefill(prefill_address, reservation)
         self._observe_prefill(response)
         step = self._output.step(
             [response.first_token_id],
@@ -285,14 +290,53 @@ class Generation:
             self._decode_address, self._reserve_in_flight = address, call
             raise
 
-    async def _reserve(self, candidates: list[str], source_store: str = "") -> decode_pb2.ReserveResponse:
+    def _may_reserve_alongside(self, candidates: list[str], source_store: str) -> bool:
+        """Whether the prefill may start before the reservation is granted: the prefill's node
+        store is known (the key can be named here), no candidate prefills itself (a colocated
+        worker must hold the room first) and the first candidate is believed to have room (so a
+        full decode pool refuses requests before their prefill, not after)."""
+        if not source_store:
+            return False
+        if any(address in self.p.router.prefill_addresses for address in candidates):
+            return False
+        return self.p.router.decode_has_room(candidates[0])
+
+    async def _prefill_while_reserving(
+        self, prefill_address: str, candidates: list[str], source_store: str
+    ) -> prefill_pb2.PrefillResponse:
+        """The prefill starts at once, writing into its own node's store under a key named here
+        (one per attempt); the reservation runs beside it, so its round trip (and, on a busy
+        decode worker, its wait for the engine's step) leaves the TTFT. A reservation refused
+        everywhere aborts the prefill, releases the key in the store and answers as before
+        (429/503)."""
+        key = f"decode/{self.request_id}/{secrets.token_hex(8)}"  # shaped like a decode worker's own
+        # the prefill records itself as the state's owner: the writer until the decode reads it
+        target = decode_pb2.ReserveResponse(accepted=True, store_address=source_store, state_key=key)
+        prefilling = asyncio.ensure_future(self._prefill(prefill_address, target))
+        try:
+            await self._reserve(candidates, source_store, key)
+        except BaseException:
+            prefilling.cancel()  # release() aborts it on the worker (it is still in flight)
+            await asyncio.gather(prefilling, return_exceptions=True)
+            with anyio.CancelScope(shield=True):
+                # nobody will read it: free what was written (sealed or not); a write still on
+                # its way is refused from now on, so nothing waits for the lease to run out
+                await self._quietly(self.p.clients.release_state(source_store, key))
+            raise
+        return await prefilling
+
+    async def _reserve(
+        self, candidates: list[str], source_store: str = "", state_key: str = ""
+    ) -> decode_pb2.ReserveResponse:
         """Reserve room on the first candidate that grants it. The state goes to `source_store`
         (the prefill worker's node store: it writes there, the decode reads from there, one hop);
-        "" leaves it to the decode worker's own store, as for a colocated worker."""
+        "" leaves it to the decode worker's own store, as for a colocated worker. `state_key`:
+        the key a prefill already running writes under ("" lets the decode worker name it)."""
         request = decode_pb2.ReserveRequest(
             request_id=self.request_id,
             num_prompt_tokens=len(self.prompt_ids) + len(self._resumed),  # the state's tokens
             timeout_s=self.p.settings.reserve_timeout_s,
+            state_key=state_key,
         )
         if self.params.max_tokens is not None:
             request.max_tokens = self.params.max_tokens

@@ -86,6 +86,11 @@ class Router(ABC):
         """The store on `address`'s node, "" when not known."""
         return ""
 
+    def decode_has_room(self, address: str) -> bool:
+        """Whether decode worker `address` is believed to have room for one more request (its
+        last Stats, less what was reserved since); True when this router does not track load."""
+        return True
+
     def on_prefill_start(self, address: str, num_prompt_tokens: int) -> None:  # noqa: B027
         """A prompt was sent to `address`."""
 
@@ -212,6 +217,10 @@ class LeastLoadRouter(Router):
             load.num_free_kv_blocks, load.num_total_kv_blocks, slots_left, load.num_total_state_slots
         )
         return (0, -adjusted.free_fraction())
+
+    def decode_has_room(self, address: str) -> bool:
+        with self._lock:
+            return self._decode_key(address)[0] == 0  # measured with room, or never measured
 
     def on_prefill_start(self, address: str, num_prompt_tokens: int) -> None:
         with self._lock:

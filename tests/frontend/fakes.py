@@ -14,7 +14,15 @@ from dataclasses import dataclass, field
 import grpc
 
 from splitserve import rpc
-from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from splitserve.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    store_pb2,
+    store_pb2_grpc,
+)
 
 EOS_TOKEN_ID = 2
 STORE_ADDRESS = "127.0.0.1:1"  # never dialled by the fakes; the gateway only passes it on
@@ -127,6 +135,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
     aborted: threading.Event = field(default_factory=threading.Event)
     started: threading.Event = field(default_factory=threading.Event)  # a Decode arrived
     num_stats_calls: int = 0
+    hold_reserve: threading.Event | None = None  # when set to an Event: Reserve waits on it
     _wake: dict[str, threading.Event] = field(default_factory=dict)  # abort or cancel
     _abort_cond: threading.Condition = field(default_factory=threading.Condition)
 
@@ -140,6 +149,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
 
     def Reserve(self, request, context):  # noqa: N802
         self.reserves.append(request)
+        if self.hold_reserve is not None:
+            self.hold_reserve.wait(30)
         if not self.accept:
             return decode_pb2.ReserveResponse(accepted=False, reject_reason="no free state slots")
         return decode_pb2.ReserveResponse(
@@ -200,13 +211,26 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         return self.stats
 
 
+@dataclass
+class FakeStore(store_pb2_grpc.StateStoreServicer):
+    """A store that only records the keys the gateway releases."""
+
+    released: list[str] = field(default_factory=list)
+
+    def Release(self, request, context):  # noqa: N802
+        self.released.append(request.key)
+        return store_pb2.ReleaseResponse(num_keys=1)
+
+
 class FakeWorkerServer:
     """A real gRPC server on 127.0.0.1 (free port) hosting fake servicers (both: a colocated worker)."""
 
-    def __init__(self, *servicers: FakePrefill | FakeDecode) -> None:
+    def __init__(self, *servicers: FakePrefill | FakeDecode | FakeStore) -> None:
         self.server = rpc.make_server(max_workers=16)  # the workers' options, keepalive policy included
         for servicer in servicers:
-            if isinstance(servicer, FakePrefill):
+            if isinstance(servicer, FakeStore):
+                store_pb2_grpc.add_StateStoreServicer_to_server(servicer, self.server)
+            elif isinstance(servicer, FakePrefill):
                 prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, self.server)
             else:
                 decode_pb2_grpc.add_DecodeServicer_to_server(servicer, self.server)

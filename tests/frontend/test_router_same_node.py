@@ -11,7 +11,7 @@ import pytest
 from frontend.prefix_router import PrefixAwareRouter
 from frontend.router import SAME_NODE_MARGIN, DecodeLoad, LeastLoadRouter, RoundRobinRouter
 from tests.frontend.conftest import MODEL, running_gateway
-from tests.frontend.fakes import STORE_ADDRESS, Script
+from tests.frontend.fakes import Script
 
 STORES = {"p-a": "store-a", "p-b": "store-b", "d-a": "store-a", "d-b": "store-b", "d-b2": "store-b"}
 
@@ -89,7 +89,11 @@ def test_the_gateway_reserves_on_the_prefill_node_with_the_prefill_store(tiny_mo
             gw.openai().completions.create(model=MODEL, prompt=f"p{i}", max_tokens=3)
         assert [r.source_store_address for r in gw.decodes[1].reserves] == ["node-b:7"] * 4
         assert gw.decodes[0].reserves == []  # equally idle: the node's own decode worker wins
-        assert {r.store_address for r in gw.prefill.requests} == {STORE_ADDRESS}  # as Reserve said
+        # the prefill started beside the reservation: into its own node's store, under the key
+        # the gateway named and sent to the decode worker too (one per request)
+        assert {r.store_address for r in gw.prefill.requests} == {"node-b:7"}
+        keys = [r.state_key for r in gw.prefill.requests]
+        assert keys == [r.state_key for r in gw.decodes[1].reserves] and len(set(keys)) == 4
 
 
 def test_without_known_stores_the_decode_picks_its_own_store(tiny_model_path: Path, script: Script):
