@@ -32,25 +32,60 @@ class Entry:
         self.num_bytes = 0
         self.num_pins = 0
         self.gone: Gone | None = None
+        # Read-only outside this class: `add`, `discard`, `add_region` and `pop_region` change
+        # them and keep `held_bytes` in step.
         self.regions: dict[str, Region] = {}  # arena regions allocated to this key, by name
         self.locations: dict[ChunkId, tuple[Region, int]] = {}  # chunks committed in a region: where
+        self._held_bytes = 0
+        # Told the new `held_bytes` on every change (the retained prefixes keep a running total).
+        self.on_held_bytes: Callable[[int], object] | None = None
 
     @property
     def held_bytes(self) -> int:
         """What the key occupies in the tiers: chunks outside regions plus whole arena regions
-        (a region is sized before it is filled, so it may be larger than the chunks in it)."""
+        (a region is sized before it is filled, so it may be larger than the chunks in it).
+        Kept as chunks and regions come and go, so reading it costs nothing."""
+        return self._held_bytes
+
+    def count_held_bytes(self) -> int:
+        """`held_bytes` counted from scratch (O(chunks); tests check the running count with it)."""
         loose = sum(meta.num_bytes for cid, meta in self.metas.items() if cid not in self.locations)
         return loose + sum(region.num_bytes for region in self.regions.values())
 
-    def add(self, meta: ChunkMeta) -> None:
+    def add(self, meta: ChunkMeta, place: tuple[Region, int] | None = None) -> None:
+        """Records a chunk: put as bytes (held in the tiers), or committed in one of this key's
+        regions at `place` (its bytes are the region's, already held)."""
         self.metas[meta.id] = meta
         self.order.append(meta.id)
         self.num_bytes += meta.num_bytes
+        if place is not None:
+            self.locations[meta.id] = place
+        else:
+            self._hold(meta.num_bytes)
 
     def discard(self, meta: ChunkMeta) -> None:
         del self.metas[meta.id]
         self.order.remove(meta.id)
         self.num_bytes -= meta.num_bytes
+        if self.locations.pop(meta.id, None) is None:
+            self._hold(-meta.num_bytes)
+
+    def add_region(self, region: Region) -> None:
+        """An arena region now belongs to this key (held whole, filled or not)."""
+        previous = self.regions.get(region.name)
+        self.regions[region.name] = region
+        self._hold(region.num_bytes - (previous.num_bytes if previous is not None else 0))
+
+    def pop_region(self, name: str) -> Region:
+        """Takes region `name` away from this key (KeyError if it has none of that name)."""
+        region = self.regions.pop(name)
+        self._hold(-region.num_bytes)
+        return region
+
+    def _hold(self, delta_bytes: int) -> None:
+        self._held_bytes += delta_bytes
+        if self.on_held_bytes is not None:
+            self.on_held_bytes(self._held_bytes)
 
     def raise_if_gone(self) -> None:
         if self.gone is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,7 +52,8 @@ class LeaseTable:
         """Moves `key`'s deadline to now + lease_s; KeyError if it holds no lease."""
         lease = self._leases[key]
         lease.deadline = self._deadline(lease_s)
-        heapq.heappush(self._deadlines, (lease.deadline, key))
+        if lease.deadline != math.inf:  # never due (a retained prefix): kept out of the heap for good
+            heapq.heappush(self._deadlines, (lease.deadline, key))
         return lease
 
     def remaining_s(self, key: str) -> float:

@@ -9,6 +9,7 @@ dropping it (`_drop_locked`) forgets it in the index, so what is advertised only
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Sequence
@@ -56,11 +57,13 @@ class PrefixCatalog:
         expiry from now on (see the class docstring for what ends it)."""
         with self._lock:
             self._expire_locked()
-            self._live_locked(key)
+            entry = self._live_locked(key)
             self._prefixes.register(hash_chain, key, tail_token_ids, num_tokens)
             if key not in self._retained:
                 self._leases.renew(key, math.inf)
-                self._retained.add(key)
+                self._retained.add(key, entry.held_bytes)
+                # a key registered before it is sealed keeps growing: the running total follows
+                entry.on_held_bytes = functools.partial(self._retained.resize, key)
             for victim in self._retained.over_budget():
                 self._evict_locked(victim, "the retained prefixes outgrew the store's prefix_budget_bytes")
 

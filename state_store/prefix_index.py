@@ -38,7 +38,9 @@ class PrefixIndex:
     """
 
     def __init__(self) -> None:
-        self._by_hash: dict[bytes, list[_Registration]] = {}  # most recently registered last
+        # per last hash, its registrations by key, most recently registered last (a dict, so
+        # registering again and forgetting cost O(1), not O(registrations of that hash))
+        self._by_hash: dict[bytes, dict[str, _Registration]] = {}
         self._hashes_by_key: dict[str, set[bytes]] = {}
 
     def __len__(self) -> int:
@@ -61,9 +63,9 @@ class PrefixIndex:
                 "say where it starts"
             )
         last = bytes(chain[-1])
-        entries = self._by_hash.setdefault(last, [])
-        entries[:] = [e for e in entries if e.key != key]
-        entries.append(_Registration(key, tail, num_tokens))
+        entries = self._by_hash.setdefault(last, {})
+        entries.pop(key, None)
+        entries[key] = _Registration(key, tail, num_tokens)
         self._hashes_by_key.setdefault(key, set()).add(last)
         return len(chain)
 
@@ -77,7 +79,7 @@ class PrefixIndex:
         `usable`. Among keys for one prefix the one covering most tokens wins, then the latest."""
         for num_units in range(len(hash_chain), 0, -1):
             best: _Registration | None = None
-            for entry in reversed(self._by_hash.get(bytes(hash_chain[num_units - 1]), ())):
+            for entry in reversed(self._by_hash.get(bytes(hash_chain[num_units - 1]), {}).values()):
                 better = best is None or entry.num_tokens > best.num_tokens
                 if better and entry.matches(token_ids) and usable(entry.key):
                     best = entry
@@ -88,8 +90,7 @@ class PrefixIndex:
     def forget(self, key: str) -> None:
         """Drops every registration of `key` (it was released, expired, evicted or corrupt)."""
         for digest in self._hashes_by_key.pop(key, ()):
-            entries = [e for e in self._by_hash[digest] if e.key != key]
-            if entries:
-                self._by_hash[digest] = entries
-            else:
+            entries = self._by_hash[digest]
+            del entries[key]
+            if not entries:
                 del self._by_hash[digest]

@@ -82,7 +82,7 @@ class RegionWrites:
                     raise StoreFullError(
                         f"cannot hold a {num_bytes}-byte region of key {key!r}: {e}"
                     ) from None
-                entry.regions[region.name] = region
+                entry.add_region(region)
                 if is_spare_key(key):
                     self._spare_regions[region.name] = key
                 for lost_key, why in lost:
@@ -128,8 +128,7 @@ class RegionWrites:
                 )
             if meta.id in entry.metas:
                 raise KeySealedError(f"{meta.describe()} was already stored; chunks are written once")
-            entry.add(meta)
-            entry.locations[meta.id] = (place, offset)
+            entry.add(meta, (place, offset))
             entry.sealed = final
             entry.cond.notify_all()
             self._notify_locked(meta.key)
@@ -142,12 +141,12 @@ class RegionWrites:
         spare = self._entries.get(spare_key) if spare_key is not None else None
         if spare is None or spare.owner != owner or name not in spare.regions or spare is entry:
             return None
-        region = spare.regions.pop(name)
+        region = spare.pop_region(name)
         del self._spare_regions[name]
         self._tiers.remove(RegionId(spare.key, name))
         # the bytes just left the tier, so this put fits without evicting anything
         self._tier_put_locked(entry.key, RegionId(entry.key, name), region.view, pin=True, memory_only=True)
-        entry.regions[name] = region
+        entry.add_region(region)
         self._drop_locked(
             spare, StateReleasedError, f"spare key {spare.key!r} gave its region to {entry.key!r}"
         )

@@ -81,7 +81,7 @@ class StateStore(RegionWrites, PolledReads, PrefixCatalog):
         self._key_created = threading.Condition(self._lock)  # readers waiting for a first put
         self._leases = LeaseTable(clock)
         self._prefixes = PrefixIndex()
-        self._retained = RetainedPrefixes(prefix_budget_bytes, lambda key: self._entries[key].held_bytes)
+        self._retained = RetainedPrefixes(prefix_budget_bytes)
         self._tombstones = Tombstones(num_tombstones)
         self._stats = StoreStats()
         self._closed = False
@@ -380,6 +380,7 @@ class StateStore(RegionWrites, PolledReads, PrefixCatalog):
         self._leases.drop(entry.key)
         self._prefixes.forget(entry.key)
         self._tombstones.add(entry.key, (cls, why))
+        entry.on_held_bytes = None
         entry.gone = (cls, why)
         entry.cond.notify_all()
         self._notify_locked(entry.key)
