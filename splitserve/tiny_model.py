@@ -44,20 +44,25 @@ _SHARED_SHAPE: dict[str, Any] = {
 
 _KDA, _MLA = "linear_attention", "full_attention"
 
+# ~1.25M parameters: 4 KDA and 2 MLA layers, the first feed-forward dense, the rest MoE.
+_TINY: dict[str, Any] = {
+    **_SHARED_SHAPE,
+    "hidden_size": 96,
+    "intermediate_size": 192,
+    "moe_intermediate_size": 48,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "linear_num_heads": 4,
+    "linear_head_dim": 16,
+    "layer_types": [_KDA, _MLA, _KDA, _KDA, _MLA, _KDA],
+    "mlp_layer_types": ["dense"] + ["sparse"] * 5,
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
-    # ~1.25M parameters: 4 KDA and 2 MLA layers, the first feed-forward dense, the rest MoE.
-    "tiny": {
-        **_SHARED_SHAPE,
-        "hidden_size": 96,
-        "intermediate_size": 192,
-        "moe_intermediate_size": 48,
-        "num_hidden_layers": 6,
-        "num_attention_heads": 4,
-        "linear_num_heads": 4,
-        "linear_head_dim": 16,
-        "layer_types": [_KDA, _MLA, _KDA, _KDA, _MLA, _KDA],
-        "mlp_layer_types": ["dense"] + ["sparse"] * 5,
-    },
+    "tiny": _TINY,
+    # `tiny` with a 64k context, for long prompts (experiments/long_prompt.py). Kimi-Linear's MLA
+    # has no RoPE, so the context is only this limit: the same seed gives `tiny`'s weights.
+    "tiny-long": {**_TINY, "max_position_embeddings": 65536},
     # ~10M parameters, the same shape family, for benchmarks.
     "bench-10m": {
         **_SHARED_SHAPE,
