@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import grpc
 
+from decode_worker.lapses import LapseReaper
 from decode_worker.replay_publisher import ReplayStorePublisher
 from decode_worker.resume import KeptStreams, reserve_room
 from decode_worker.state_reader import StateReader
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    """Owns the reservations in flight (one StateReader each) and their lapse timers.
+    """Owns the reservations in flight (one StateReader each) and their deadlines (one reaper thread).
 
     With a `publisher` (ReplaySSM publishing on) a request's state stays in this node's store while
     it decodes and a Decode with `resume_from` resumes from another worker's (decode_worker/resume.py)."""
@@ -55,12 +56,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self._transport_lock = threading.Lock()
         self.state_timeout_s = state_timeout_s
         self._readers: dict[str, StateReader] = {}
+        self._lapse_entries: dict[str, int] = {}  # request id -> its reservation's entry in _lapses
+        self._lapses = LapseReaper(name=f"lapses-{worker_id}")  # one thread, not one per reservation
         self._lock = threading.Lock()
         self._reservation_ids = itertools.count()  # next() is atomic under the GIL
         self.kept = KeptStreams(loop, worker_id, self.store, publisher, state_timeout_s)
 
     def close(self) -> None:
-        """Close the channels to this node's store and the stores read from, and the transport."""
+        """Stop lapsing reservations; close the channels to this node's store and the stores read
+        from, and the transport."""
+        self._lapses.close()
         self.store.close()
         with self._lock:
             sources, self._sources = list(self._sources.values()), {}
@@ -133,9 +138,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         )
         with self._lock:
             self._readers[rid] = reader
-        lapse = threading.Timer(2 * timeout_s, self._lapse, args=(rid, reader))
-        lapse.daemon = True
-        lapse.start()
+            # a Decode or Abort for rid cancels it (`_take`); a replaced reader's entry finds it gone
+            self._lapse_entries[rid] = self._lapses.add(2 * timeout_s, lambda: self._lapse(rid, reader))
         return decode_pb2.ReserveResponse(
             accepted=True,
             store_address=source.address,
@@ -151,8 +155,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if request.HasField("resume_from"):
             yield from self.kept.resume(request, context)  # decode failover from stored state
             return
-        with self._lock:
-            reader = self._readers.pop(rid, None)
+        reader = self._take(rid)
         if reader is None and not request.HasField("state"):
             yield from self._decode_whole(request, context)  # no prefill worker: prefill.fallback
             return
@@ -217,12 +220,22 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self._abort_engine(reader.request_id)
         self._release(reader)
 
+    def _take(self, rid: str) -> StateReader | None:
+        """The reservation's reader, no longer pending (its lapse cancelled), or None."""
+        with self._lock:
+            entry = self._lapse_entries.pop(rid, None)
+            reader = self._readers.pop(rid, None)
+        if entry is not None:
+            self._lapses.cancel(entry)
+        return reader
+
     def _lapse(self, rid: str, reader: StateReader) -> None:
         """No Decode came for a reservation in time: give its room and its state back."""
         with self._lock:
             if self._readers.get(rid) is not reader:
                 return
             del self._readers[rid]
+            self._lapse_entries.pop(rid, None)
         logger.warning("reservation %s lapsed without a Decode call", rid)
         self._drop(rid, reader)
 
@@ -244,8 +257,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self, request: decode_pb2.AbortDecodeRequest, context: grpc.ServicerContext
     ) -> decode_pb2.AbortDecodeResponse:
         rid = request.request_id
-        with self._lock:
-            reader = self._readers.pop(rid, None)
+        reader = self._take(rid)
         found = self.loop.call(lambda e: rid in e.requests).result(timeout=30)
         if reader is not None:
             self._drop(rid, reader)
