@@ -218,6 +218,20 @@ def decode_room(handle: ClusterHandle) -> list[str]:
     return room
 
 
+def store_retained(handle: ClusterHandle) -> str:
+    """Each store's retained prefixes (kept on purpose: the cluster's prefix cache) and bytes."""
+    parts = []
+    for i, store in enumerate(handle.status()["stores"]):
+        with make_channel(store["address"]) as channel:
+            stats = store_pb2_grpc.StateStoreStub(channel).Stats(store_pb2.StatsRequest(), timeout=30)
+        num_bytes = sum(tier.num_bytes for tier in stats.tiers)
+        parts.append(
+            f"store {i}: {stats.num_prefix_keys} prefix keys ({stats.num_prefix_bytes / 2**20:,.0f} MiB) "
+            f"of {stats.num_keys} keys, {num_bytes / 2**20:,.0f} MiB in all"
+        )
+    return "; ".join(parts)
+
+
 def settle(handle: ClusterHandle, processes: list[ProcessFigures]) -> tuple[dict[str, Any], float]:
     """Wait until no worker or store holds anything (up to IDLE_TIMEOUT_S), then read every
     process's figures; returns what is still held and the wait. Threads are reported, not
@@ -325,7 +339,8 @@ def main() -> None:
             refused = {k: v - refused_before.get(k, 0.0) for k, v in refusals(f"{url}/metrics").items()}
             held, waited_s = settle(handle, sampler.processes)
             report_round(n, outcomes, wall_s, sampler, {k: v for k, v in refused.items() if v})
-            print(f"   idle again: {'yes' if not held else 'NO'} after {waited_s:.1f} s {held or ''}", flush=True)
+            print(f"   idle again: {'yes' if not held else 'NO'} after {waited_s:.1f} s {held or ''}")
+            print(f"   retained (the prefix cache): {store_retained(handle)}", flush=True)
 
 
 if __name__ == "__main__":
