@@ -23,6 +23,11 @@ from splitserve.engine.state_transfer import LayerState
 from splitserve.state import StateKind
 from splitserve.state.client import StateStoreClient
 
+# Pieces are held until this many bytes are (or the seal): a small state (the tiny model's 0.5 MB)
+# goes in one message instead of one per piece; a large model's pieces (MiBs each) still stream
+# layer by layer as the prefill runs.
+HOLD_BYTES = 1 << 20
+
 
 class StateWriter:
     """Owns one `PutStream`: `write` from the engine thread, then `finish` (seal) or `cancel`."""
@@ -46,7 +51,7 @@ class StateWriter:
         # shared_memory False: another node's store (two hops), written over the network
         sharing = {} if shared_memory is None else {"shared_memory": shared_memory}
         self._put = client.open_put(
-            key, owner=owner, lease_s=lease_s, expected_bytes=expected_bytes, **sharing
+            key, owner=owner, lease_s=lease_s, expected_bytes=expected_bytes, hold_bytes=HOLD_BYTES, **sharing
         )
 
     def write(self, state: LayerState) -> None:

@@ -140,11 +140,13 @@ class StateStoreClient:
         lease_s: float | None = None,
         shared_memory: bool | None = None,
         expected_bytes: int | None = None,
+        hold_bytes: int = 0,
     ) -> PutStream:
         """A Put of `key` that stays open: `write` chunks or `write_state` tensors' bytes as they
         are made, then `finish` or `cancel`. `write_state` pieces go through the store's arena
         when `shared_memory` is True, or None (the default) and the store shares this node;
-        `expected_bytes` (the state's total, if known) sizes the first region to hold it all."""
+        `expected_bytes` (the state's total, if known) sizes the first region to hold it all;
+        `hold_bytes` groups small pieces into one message (`PutStream`; 0: each goes at once)."""
         arena = self.local_arena() if shared_memory is not False else None
         if shared_memory and arena is None:
             raise StateUnavailableError(f"the store at {self.address} has no arena this process can map")
@@ -176,6 +178,7 @@ class StateStoreClient:
             first_region=first_region,
             on_finish=on_finish,
             warm_call=warm_call,
+            hold_bytes=hold_bytes,
         )
 
     def _ready_next_put(self, spare: SpareRegion, num_bytes: int, owner: str, arena: LocalArena) -> None:

@@ -55,6 +55,10 @@ class StatePiece:
         return meta if self.num_tokens is None else number_by_token(meta, self.num_tokens)
 
 
+class _Pieces(list[StatePiece]):
+    """Pieces queued together (`PutStream.hold_bytes`), told apart from a list of chunks."""
+
+
 _END = None  # queued last: the sending thread stops reading the queue
 BATCH_FLUSH_BYTES = 8 << 20  # a backlog of pieces is committed in messages of about this many bytes
 BATCH_MAX_CHUNKS = 1024  # and at most this many commits (~100 bytes each) per message
@@ -106,6 +110,13 @@ class PutStream:
     one PutBatch message (`_batches`); without, they are cut into chunks and sent as bytes.
     `on_finish` runs after a successful `finish` (the client leases its next spare region there);
     a `warm_call` (opened ahead, unused) carries the put instead of a new call.
+
+    With `hold_bytes`, `write_state` pieces are held on the writer's side until that many bytes
+    are held (or `finish`), then queued as one item: the sending thread wakes once and commits
+    them in one message. Each queued piece costs a wakeup of the sending thread and a message
+    (about 0.4 ms of CPU in Python gRPC on a loaded 2-core box), more than copying and
+    checksumming a small piece; pieces of `hold_bytes` or more still go at once, so a large
+    state streams piece by piece as before, and what waits for the seal is under `hold_bytes`.
     """
 
     def __init__(
@@ -121,15 +132,20 @@ class PutStream:
         first_region: Callable[[], str] | None = None,
         on_finish: Callable[[], None] | None = None,
         warm_call: WarmCall | None = None,
+        hold_bytes: int = 0,
     ) -> None:
         self.key, self.owner, self.lease_s = key, owner, lease_s or 0.0
+        self.hold_bytes = hold_bytes
+        self._held = _Pieces()  # written, not yet queued (`hold_bytes`)
+        self._held_bytes = 0
+        self._held_lock = threading.Lock()
         self.expected_bytes = expected_bytes
         self._first_region = first_region
         self._on_finish = on_finish
         self._slabs: SlabWriter | None = None
         self.arena = arena if allocate is not None else None
         self._allocate = allocate
-        self._queue: queue.SimpleQueue[Iterable[Chunk] | StatePiece | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Iterable[Chunk] | _Pieces | None] = queue.SimpleQueue()
         self._seal = False
         self._error: BaseException | None = None
         self._closed = threading.Event()
@@ -160,7 +176,8 @@ class PutStream:
         sent as bytes when the store is not on this node. `data` must not change until `finish`
         returns (nothing copies it before the sending thread does). An MLA layer written in
         several pieces (one per prefill chunk) passes the prompt's `num_tokens`: its chunks are
-        then numbered by token (`number_by_token`), as the engine's state codec numbers them."""
+        then numbered by token (`number_by_token`), as the engine's state codec numbers them.
+        Held instead of queued while fewer than `hold_bytes` are held (see the class)."""
         if not self._closed.is_set():
             shape = tuple(int(d) for d in shape)
             piece = StatePiece(
@@ -174,12 +191,25 @@ class PutStream:
                 max_chunk_bytes,
                 num_tokens,
             )
-            self._queue.put(piece)
+            with self._held_lock:
+                self._held.append(piece)
+                self._held_bytes += memoryview(data).nbytes
+                if self._held_bytes >= self.hold_bytes:
+                    self._queue_held()
+
+    def _queue_held(self) -> None:
+        """Hands the held pieces to the sending thread as one item: one wakeup, one message."""
+        if self._held:
+            self._queue.put(self._held)
+            self._held, self._held_bytes = _Pieces(), 0
 
     def finish(self, timeout_s: float) -> tuple[int, int]:
         """Seals the key after everything written and waits for the store's ack; returns its
         (chunks, bytes) count. Raises the store's error, or `StateTimeoutError` after `timeout_s`."""
         self._seal = True
+        with self._held_lock:
+            if not self._closed.is_set():
+                self._queue_held()
         self._close()
         try:
             reply = self._call.result(timeout=timeout_s)
@@ -241,13 +271,14 @@ class PutStream:
                     item = self._queue.get()
                 if item is _END:
                     break
-                if isinstance(item, StatePiece):
-                    yield from self._piece_messages(item)
-                    placed_bytes += memoryview(item.data).nbytes
-                    num_placed += 1
-                    if placed_bytes >= BATCH_FLUSH_BYTES or num_placed >= BATCH_MAX_CHUNKS:
-                        yield _READY
-                        placed_bytes = num_placed = 0
+                if isinstance(item, _Pieces):
+                    for piece in item:
+                        yield from self._piece_messages(piece)
+                        placed_bytes += memoryview(piece.data).nbytes
+                        num_placed += 1
+                        if placed_bytes >= BATCH_FLUSH_BYTES or num_placed >= BATCH_MAX_CHUNKS:
+                            yield _READY
+                            placed_bytes = num_placed = 0
                 else:
                     for chunk in item:
                         yield chunk_to_proto(chunk, owner=self.owner, lease_s=self.lease_s)

@@ -1,5 +1,6 @@
 """Pieces committed through the arena travel in few messages, and a piece written alone still
-streams at once (a decode scatters each layer as it lands)."""
+streams at once (a decode scatters each layer as it lands); with `hold_bytes`, small pieces wait
+on the writer's side and go together."""
 
 from __future__ import annotations
 
@@ -93,3 +94,37 @@ def test_a_piece_written_alone_reaches_the_reader_before_the_next(client: StateS
         )
     put.finish(timeout_s=WAIT_S)
     assert list(stream) == []
+
+
+def test_small_pieces_held_go_in_one_message_with_the_seal(
+    client: StateStoreClient, batch_sizes: list[int]
+) -> None:
+    put = client.open_put("req", owner="prefill", shared_memory=True, hold_bytes=1 << 20)
+    for layer in range(6):  # 6 x 4 KiB: all held (the sending thread never sees one alone)
+        _write(put, layer)
+    assert batch_sizes == []
+    assert put.finish(timeout_s=WAIT_S) == (6, 6 * 4096)
+    assert batch_sizes == [7]  # six commits and the seal
+    chunks = list(client.get("req", timeout_s=WAIT_S))
+    assert [c.meta.layer for c in chunks] == list(range(6))
+    assert all(np.array_equal(np.frombuffer(c.data, np.float32), _piece(c.meta.layer)) for c in chunks)
+
+
+def test_held_pieces_go_once_they_reach_hold_bytes(client: StateStoreClient) -> None:
+    stream = iter(client.get("req", timeout_s=WAIT_S, wait_for_key=True))
+    put = client.open_put("req", owner="prefill", shared_memory=True, hold_bytes=2 * 4096)
+    _write(put, 0)  # held: 4 KiB of 8
+    _write(put, 1)  # 8 KiB held: both go, and the reader gets them before any more is written
+    assert [next(stream).meta.layer for _ in range(2)] == [0, 1]
+    _write(put, 2)  # held until the seal
+    put.finish(timeout_s=WAIT_S)
+    assert [c.meta.layer for c in stream] == [2]
+
+
+def test_cancelling_drops_held_pieces(client: StateStoreClient, batch_sizes: list[int]) -> None:
+    put = client.open_put("req", owner="prefill", shared_memory=True, hold_bytes=1 << 20)
+    _write(put, 0)
+    put.cancel()
+    _write(put, 1)  # after cancel: dropped
+    assert client.lookup("req") is None
+    assert sum(batch_sizes) == 0

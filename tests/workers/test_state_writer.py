@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from prefill_worker.state_writer import StateWriter
+from prefill_worker.state_writer import HOLD_BYTES, StateWriter
 from splitserve.engine.state_transfer import LayerState
 from splitserve.state import StateKind
 
@@ -34,7 +34,10 @@ class FakeClient:
     def __init__(self) -> None:
         self.put = FakePut()
 
-    def open_put(self, key: str, *, owner: str, lease_s: float, expected_bytes: int | None) -> FakePut:
+    def open_put(
+        self, key: str, *, owner: str, lease_s: float, expected_bytes: int | None, hold_bytes: int
+    ) -> FakePut:
+        assert hold_bytes == HOLD_BYTES
         return self.put
 
 
