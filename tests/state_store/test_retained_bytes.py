@@ -83,8 +83,9 @@ class _RandomWorkload:
         if not regions or self.rng.random() < 0.4:
             size = self.rng.randint(1000, 6000)
             regions.append((self.store.allocate(key, owner=_owner(key), num_bytes=size), size))
-        spares = [(name, size) for k, held in self.regions.items() if k.startswith(SPARE_PREFIX) for name, size in held]
-        name, size = self.rng.choice(regions + spares[:1])  # sometimes a spare's region: adopted
+        live_spares = [k for k in self.keys if k.startswith(SPARE_PREFIX) and k != key]
+        spare_regions = self.regions.get(live_spares[-1], []) if live_spares else []
+        name, size = self.rng.choice(regions + spare_regions[-1:])  # sometimes a spare's: adopted
         chunk = make_chunk(key, index=self._next_index(key), num_chunks=99, size=self.rng.randint(1, size))
         self.store.put_region(chunk.meta, name, 0, owner=_owner(key), final=self.rng.random() < 0.3)
 
