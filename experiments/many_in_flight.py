@@ -273,12 +273,16 @@ def report_round(
         print(f"   failed by status (0: no response): {dict(failures)}")
         for text, count in Counter(o.error for o in outcomes if o.error).most_common(5):
             print(f"   {count} x {text}")
-    print(f"   TTFT {percentiles_ms([o.ttft_s for o in ok])}; end to end {percentiles_ms([o.e2e_s for o in ok])}")
+    print(
+        f"   TTFT {percentiles_ms([o.ttft_s for o in ok])}; end to end {percentiles_ms([o.e2e_s for o in ok])}"
+    )
     print(
         f"   admission queue: peak depth {sampler.peak_queue_depth:.0f}, peak slots in use "
         f"{sampler.peak_slots_in_use:.0f}; refusals this round {refused}"
     )
-    print("   process        threads (before/peak/after)   fds (before/peak/after)   RSS MiB (before/peak/after)")
+    print(
+        "   process        threads (before/peak/after)   fds (before/peak/after)   RSS MiB (before/peak/after)"
+    )
     for p in sampler.processes:
         (t0, f0, r0), (t1, f1, r1), (t2, f2, r2) = p.before, p.peak, p.after
         mib = 1 << 20
@@ -311,7 +315,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", default="8-16", help="max_tokens range per request")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="client timeout per request")
     parser.add_argument(
-        "--no-wait-capacity", action="store_true", help="start at once, before the gateway knows the decode room"
+        "--no-wait-capacity",
+        action="store_true",
+        help="start at once, before the gateway knows the decode room",
     )
     parser.add_argument("--name", default="h17inf", help="the deployment's name (its own Ray)")
     args = parser.parse_args()

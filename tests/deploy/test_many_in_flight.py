@@ -45,7 +45,9 @@ def prompts() -> list[list[int]]:
 def offline_tokens(model_path: Any, prompts: list[list[int]]) -> list[list[int]]:
     llm = LLM(model=str(model_path), max_model_len=4096)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return [list(o.outputs[0].token_ids) for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    return [
+        list(o.outputs[0].token_ids) for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +90,10 @@ async def _stream(client: openai.AsyncOpenAI, prompt: list[int]) -> list[int] | 
 
 
 async def _all_at_once(url: str, prompts: list[list[int]]) -> list[list[int] | str]:
-    limits = httpx.Limits(max_connections=NUM_REQUESTS, max_keepalive_connections=NUM_REQUESTS)
-    async with httpx.AsyncClient(limits=limits, timeout=600) as http:
-        client = openai.AsyncOpenAI(
-            base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600, http_client=http
-        )
+    # the client's own pool allows 1,000 connections: every stream gets its own
+    async with openai.AsyncOpenAI(
+        base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600
+    ) as client:
         return await asyncio.gather(*(_stream(client, p) for p in prompts))
 
 
