@@ -116,6 +116,8 @@ class ReplayStorePublisher:
             self._held[request_id] = held = _Held(state_key, [state_key])
             if base_states is not None:
                 self._tasks.append(functools.partial(self._write_base, held, base_states))
+            else:  # kept where its writer put it: this worker owns it from now on
+                self._tasks.append(functools.partial(self._adopt, state_key))
             self._wake.notify()
 
     def end(self, request_id: str) -> None:
@@ -261,6 +263,14 @@ class ReplayStorePublisher:
                 self.client.renew(key, self.lease_s)
             except StateStoreError as exc:  # released meanwhile, or never written: nothing to keep
                 logger.debug("could not renew %s: %s", key, exc)
+
+    def _adopt(self, key: str) -> None:
+        """Takes over a key another worker wrote (a prefill's prompt state kept in place), so
+        everything this worker keeps is its own (a release by owner frees it all)."""
+        try:
+            self.client.renew(key, self.lease_s, owner=self.worker_id)
+        except StateStoreError as exc:  # released meanwhile: nothing to keep
+            logger.debug("could not adopt %s: %s", key, exc)
 
     def _release(self, keys: list[str]) -> None:
         for key in keys:

@@ -132,6 +132,9 @@ class Tombstones:
         while len(self._gone) > self.capacity:
             self._gone.popitem(last=False)
 
+    def __contains__(self, key: str) -> bool:
+        return key in self._gone
+
     def raise_if_gone(self, key: str, suffix: str = "") -> None:
         if key in self._gone:
             cls, why = self._gone[key]

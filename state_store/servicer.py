@@ -217,7 +217,7 @@ class StateStoreServicer(store_pb2_grpc.StateStoreServicer):
         self, request: store_pb2.RenewRequest, context: grpc.aio.ServicerContext
     ) -> store_pb2.RenewResponse:
         try:
-            remaining_s = self.store.renew(request.key, request.lease_s)
+            remaining_s = self.store.renew(request.key, request.lease_s, request.owner)
         except _ERRORS as e:
             await abort_with_error_async(context, e)
         return store_pb2.RenewResponse(lease_expiry_unix_s=time.time() + remaining_s)

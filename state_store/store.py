@@ -217,12 +217,16 @@ class StateStore(RegionWrites, PolledReads, PrefixCatalog):
 
     # ---- lifetime -------------------------------------------------------------------------
 
-    def renew(self, key: str, lease_s: float) -> float:
-        """Extends `key`'s lease to now + lease_s; returns the seconds it has left."""
+    def renew(self, key: str, lease_s: float, owner: str = "") -> float:
+        """Extends `key`'s lease to now + lease_s (handing it to `owner`, if given); returns the
+        seconds it has left."""
         with self._lock:
             self._expire_locked()
             self._live_locked(key)
-            self._leases.renew(key, lease_s)
+            if owner:
+                self._leases.grant(key, owner, lease_s)
+            else:
+                self._leases.renew(key, lease_s)
             return self._leases.remaining_s(key)
 
     def pin(self, key: str) -> None:
@@ -260,6 +264,14 @@ class StateStore(RegionWrites, PolledReads, PrefixCatalog):
                         entry, StateReleasedError, f"key {name!r} was released {how}"
                     )
                     num_keys += 1
+                elif key is not None and name not in self._tombstones:
+                    # Released before its first write (a writer that failed before it stored
+                    # anything frees it): a reader waiting for the key learns now, and a late
+                    # write is refused, instead of either waiting out its deadline.
+                    gone = (StateReleasedError, f"key {name!r} was released before any write")
+                    self._tombstones.add(name, gone)
+                    self._key_created.notify_all()
+                    self._notify_locked(name)
             self._stats.num_releases += num_keys
             return ReleaseResult(num_keys, num_bytes)
 

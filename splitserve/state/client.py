@@ -286,9 +286,9 @@ class StateStoreClient:
         )
         self._call(lambda: self._stub.Register(request, timeout=self.timeout_s))
 
-    def renew(self, key: str, lease_s: float) -> float:
-        """Extends `key`'s lease; returns its expiry as unix time."""
-        request = store_pb2.RenewRequest(key=key, lease_s=lease_s)
+    def renew(self, key: str, lease_s: float, owner: str = "") -> float:
+        """Extends `key`'s lease (handing it to `owner`, if given); returns its expiry as unix time."""
+        request = store_pb2.RenewRequest(key=key, lease_s=lease_s, owner=owner)
         return self._call(lambda: self._stub.Renew(request, timeout=self.timeout_s)).lease_expiry_unix_s
 
     def release(self, key: str | None = None, *, owner: str | None = None) -> ReleaseResult:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from splitserve.v1 import common_pb2 as splitserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19splitserve/v1/store.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\"8\n\x0bStateChunks\x12)\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x19.splitserve.v1.StateChunk\"4\n\x0bPutResponse\x12\x12\n\nnum_chunks\x18\x01 \x01(\x05\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\"c\n\nGetRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\x05\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x12\x14\n\x0cwait_for_key\x18\x04 \x01(\x08\x12\x0f\n\x07regions\x18\x05 \x01(\x08\"i\n\rLookupRequest\x12\r\n\x03key\x18\x01 \x01(\tH\x00\x12-\n\x06prefix\x18\x02 \x01(\x0b\x32\x1b.splitserve.v1.PrefixHashesH\x00\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x42\x07\n\x05query\"\x1e\n\x0cPrefixHashes\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\"\xe1\x01\n\x0eLookupResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x11\n\tnum_units\x18\x03 \x01(\x05\x12\r\n\x05owner\x18\x04 \x01(\t\x12\x0e\n\x06sealed\x18\x05 \x01(\x08\x12\x11\n\tnum_bytes\x18\x06 \x01(\x03\x12\x12\n\nnum_layers\x18\x07 \x01(\x05\x12\x1b\n\x13lease_expiry_unix_s\x18\x08 \x01(\x01\x12)\n\x06\x63hunks\x18\t \x03(\x0b\x32\x19.splitserve.v1.StateChunk\x12\x12\n\nnum_tokens\x18\n \x01(\x05\"w\n\x0fRegisterRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12+\n\x06prefix\x18\x02 \x01(\x0b\x32\x1b.splitserve.v1.PrefixHashes\x12\x16\n\x0etail_token_ids\x18\x03 \x03(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\"\x12\n\x10RegisterResponse\",\n\x0cRenewRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\",\n\rRenewResponse\x12\x1b\n\x13lease_expiry_unix_s\x18\x01 \x01(\x01\":\n\x0eReleaseRequest\x12\r\n\x03key\x18\x01 \x01(\tH\x00\x12\x0f\n\x05owner\x18\x02 \x01(\tH\x00\x42\x08\n\x06target\"6\n\x0fReleaseResponse\x12\x10\n\x08num_keys\x18\x01 \x01(\x05\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\"\x0e\n\x0cStatsRequest\"\x7f\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x03\x12\x13\n\x0bnum_objects\x18\x04 \x01(\x03\x12\x12\n\nnum_pinned\x18\x05 \x01(\x03\x12\x10\n\x08num_keys\x18\x06 \x01(\x03\"\x82\x03\n\nStoreStats\x12\'\n\x05tiers\x18\x01 \x03(\x0b\x32\x18.splitserve.v1.TierStats\x12\x10\n\x08num_keys\x18\x02 \x01(\x03\x12\x10\n\x08num_hits\x18\x03 \x01(\x03\x12\x12\n\nnum_misses\x18\x04 \x01(\x03\x12\x17\n\x0fnum_prefix_hits\x18\x05 \x01(\x03\x12\x12\n\nnum_spills\x18\x06 \x01(\x03\x12\x15\n\rnum_evictions\x18\x07 \x01(\x03\x12\x14\n\x0cnum_expiries\x18\x08 \x01(\x03\x12\x14\n\x0cnum_releases\x18\t \x01(\x03\x12\x17\n\x0fnum_corruptions\x18\n \x01(\x03\x12\x1a\n\x12num_prefix_lookups\x18\x0b \x01(\x03\x12\x1d\n\x15num_prefix_hit_tokens\x18\x0c \x01(\x03\x12\x1c\n\x14num_prefix_evictions\x18\r \x01(\x03\x12\x17\n\x0fnum_prefix_keys\x18\x0e \x01(\x03\x12\x18\n\x10num_prefix_bytes\x18\x0f \x01(\x03\"\x1f\n\x0c\x41renaRequest\x12\x0f\n\x07regions\x18\x01 \x03(\t\"\xfc\x01\n\tArenaInfo\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x12\n\nprobe_name\x18\x02 \x01(\t\x12\x13\n\x0bprobe_token\x18\x03 \x01(\x0c\x12\x17\n\x0ftransfer_engine\x18\x04 \x01(\t\x12\x19\n\x11transfer_endpoint\x18\x05 \x01(\t\x12G\n\x10region_addresses\x18\x06 \x03(\x0b\x32-.splitserve.v1.ArenaInfo.RegionAddressesEntry\x1a\x36\n\x14RegionAddressesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x88\x01\n\x0f\x41llocateRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\x12\r\n\x05layer\x18\x04 \x01(\x05\x12&\n\x04kind\x18\x05 \x01(\x0e\x32\x18.splitserve.v1.StateKind\x12\x11\n\tnum_bytes\x18\x06 \x01(\x03\"\"\n\x10\x41llocateResponse\x12\x0e\n\x06region\x18\x01 \x01(\t2\x86\x06\n\nStateStore\x12>\n\x03Put\x12\x19.splitserve.v1.StateChunk\x1a\x1a.splitserve.v1.PutResponse(\x01\x12\x44\n\x08PutBatch\x12\x1a.splitserve.v1.StateChunks\x1a\x1a.splitserve.v1.PutResponse(\x01\x12=\n\x03Get\x12\x19.splitserve.v1.GetRequest\x1a\x19.splitserve.v1.StateChunk0\x01\x12\x43\n\x08GetBatch\x12\x19.splitserve.v1.GetRequest\x1a\x1a.splitserve.v1.StateChunks0\x01\x12\x45\n\x06Lookup\x12\x1c.splitserve.v1.LookupRequest\x1a\x1d.splitserve.v1.LookupResponse\x12K\n\x08Register\x12\x1e.splitserve.v1.RegisterRequest\x1a\x1f.splitserve.v1.RegisterResponse\x12\x42\n\x05Renew\x12\x1b.splitserve.v1.RenewRequest\x1a\x1c.splitserve.v1.RenewResponse\x12H\n\x07Release\x12\x1d.splitserve.v1.ReleaseRequest\x1a\x1e.splitserve.v1.ReleaseResponse\x12?\n\x05Stats\x12\x1b.splitserve.v1.StatsRequest\x1a\x19.splitserve.v1.StoreStats\x12>\n\x05\x41rena\x12\x1b.splitserve.v1.ArenaRequest\x1a\x18.splitserve.v1.ArenaInfo\x12K\n\x08\x41llocate\x12\x1e.splitserve.v1.AllocateRequest\x1a\x1f.splitserve.v1.AllocateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19splitserve/v1/store.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\"8\n\x0bStateChunks\x12)\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x19.splitserve.v1.StateChunk\"4\n\x0bPutResponse\x12\x12\n\nnum_chunks\x18\x01 \x01(\x05\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\"c\n\nGetRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\x05\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x12\x14\n\x0cwait_for_key\x18\x04 \x01(\x08\x12\x0f\n\x07regions\x18\x05 \x01(\x08\"i\n\rLookupRequest\x12\r\n\x03key\x18\x01 \x01(\tH\x00\x12-\n\x06prefix\x18\x02 \x01(\x0b\x32\x1b.splitserve.v1.PrefixHashesH\x00\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x42\x07\n\x05query\"\x1e\n\x0cPrefixHashes\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\"\xe1\x01\n\x0eLookupResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x11\n\tnum_units\x18\x03 \x01(\x05\x12\r\n\x05owner\x18\x04 \x01(\t\x12\x0e\n\x06sealed\x18\x05 \x01(\x08\x12\x11\n\tnum_bytes\x18\x06 \x01(\x03\x12\x12\n\nnum_layers\x18\x07 \x01(\x05\x12\x1b\n\x13lease_expiry_unix_s\x18\x08 \x01(\x01\x12)\n\x06\x63hunks\x18\t \x03(\x0b\x32\x19.splitserve.v1.StateChunk\x12\x12\n\nnum_tokens\x18\n \x01(\x05\"w\n\x0fRegisterRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12+\n\x06prefix\x18\x02 \x01(\x0b\x32\x1b.splitserve.v1.PrefixHashes\x12\x16\n\x0etail_token_ids\x18\x03 \x03(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\"\x12\n\x10RegisterResponse\";\n\x0cRenewRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\x12\r\n\x05owner\x18\x03 \x01(\t\",\n\rRenewResponse\x12\x1b\n\x13lease_expiry_unix_s\x18\x01 \x01(\x01\":\n\x0eReleaseRequest\x12\r\n\x03key\x18\x01 \x01(\tH\x00\x12\x0f\n\x05owner\x18\x02 \x01(\tH\x00\x42\x08\n\x06target\"6\n\x0fReleaseResponse\x12\x10\n\x08num_keys\x18\x01 \x01(\x05\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\"\x0e\n\x0cStatsRequest\"\x7f\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x03\x12\x13\n\x0bnum_objects\x18\x04 \x01(\x03\x12\x12\n\nnum_pinned\x18\x05 \x01(\x03\x12\x10\n\x08num_keys\x18\x06 \x01(\x03\"\x82\x03\n\nStoreStats\x12\'\n\x05tiers\x18\x01 \x03(\x0b\x32\x18.splitserve.v1.TierStats\x12\x10\n\x08num_keys\x18\x02 \x01(\x03\x12\x10\n\x08num_hits\x18\x03 \x01(\x03\x12\x12\n\nnum_misses\x18\x04 \x01(\x03\x12\x17\n\x0fnum_prefix_hits\x18\x05 \x01(\x03\x12\x12\n\nnum_spills\x18\x06 \x01(\x03\x12\x15\n\rnum_evictions\x18\x07 \x01(\x03\x12\x14\n\x0cnum_expiries\x18\x08 \x01(\x03\x12\x14\n\x0cnum_releases\x18\t \x01(\x03\x12\x17\n\x0fnum_corruptions\x18\n \x01(\x03\x12\x1a\n\x12num_prefix_lookups\x18\x0b \x01(\x03\x12\x1d\n\x15num_prefix_hit_tokens\x18\x0c \x01(\x03\x12\x1c\n\x14num_prefix_evictions\x18\r \x01(\x03\x12\x17\n\x0fnum_prefix_keys\x18\x0e \x01(\x03\x12\x18\n\x10num_prefix_bytes\x18\x0f \x01(\x03\"\x1f\n\x0c\x41renaRequest\x12\x0f\n\x07regions\x18\x01 \x03(\t\"\xfc\x01\n\tArenaInfo\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x12\n\nprobe_name\x18\x02 \x01(\t\x12\x13\n\x0bprobe_token\x18\x03 \x01(\x0c\x12\x17\n\x0ftransfer_engine\x18\x04 \x01(\t\x12\x19\n\x11transfer_endpoint\x18\x05 \x01(\t\x12G\n\x10region_addresses\x18\x06 \x03(\x0b\x32-.splitserve.v1.ArenaInfo.RegionAddressesEntry\x1a\x36\n\x14RegionAddressesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x88\x01\n\x0f\x41llocateRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\x12\r\n\x05layer\x18\x04 \x01(\x05\x12&\n\x04kind\x18\x05 \x01(\x0e\x32\x18.splitserve.v1.StateKind\x12\x11\n\tnum_bytes\x18\x06 \x01(\x03\"\"\n\x10\x41llocateResponse\x12\x0e\n\x06region\x18\x01 \x01(\t2\x86\x06\n\nStateStore\x12>\n\x03Put\x12\x19.splitserve.v1.StateChunk\x1a\x1a.splitserve.v1.PutResponse(\x01\x12\x44\n\x08PutBatch\x12\x1a.splitserve.v1.StateChunks\x1a\x1a.splitserve.v1.PutResponse(\x01\x12=\n\x03Get\x12\x19.splitserve.v1.GetRequest\x1a\x19.splitserve.v1.StateChunk0\x01\x12\x43\n\x08GetBatch\x12\x19.splitserve.v1.GetRequest\x1a\x1a.splitserve.v1.StateChunks0\x01\x12\x45\n\x06Lookup\x12\x1c.splitserve.v1.LookupRequest\x1a\x1d.splitserve.v1.LookupResponse\x12K\n\x08Register\x12\x1e.splitserve.v1.RegisterRequest\x1a\x1f.splitserve.v1.RegisterResponse\x12\x42\n\x05Renew\x12\x1b.splitserve.v1.RenewRequest\x1a\x1c.splitserve.v1.RenewResponse\x12H\n\x07Release\x12\x1d.splitserve.v1.ReleaseRequest\x1a\x1e.splitserve.v1.ReleaseResponse\x12?\n\x05Stats\x12\x1b.splitserve.v1.StatsRequest\x1a\x19.splitserve.v1.StoreStats\x12>\n\x05\x41rena\x12\x1b.splitserve.v1.ArenaRequest\x1a\x18.splitserve.v1.ArenaInfo\x12K\n\x08\x41llocate\x12\x1e.splitserve.v1.AllocateRequest\x1a\x1f.splitserve.v1.AllocateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -51,29 +51,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERRESPONSE']._serialized_start=773
   _globals['_REGISTERRESPONSE']._serialized_end=791
   _globals['_RENEWREQUEST']._serialized_start=793
-  _globals['_RENEWREQUEST']._serialized_end=837
-  _globals['_RENEWRESPONSE']._serialized_start=839
-  _globals['_RENEWRESPONSE']._serialized_end=883
-  _globals['_RELEASEREQUEST']._serialized_start=885
-  _globals['_RELEASEREQUEST']._serialized_end=943
-  _globals['_RELEASERESPONSE']._serialized_start=945
-  _globals['_RELEASERESPONSE']._serialized_end=999
-  _globals['_STATSREQUEST']._serialized_start=1001
-  _globals['_STATSREQUEST']._serialized_end=1015
-  _globals['_TIERSTATS']._serialized_start=1017
-  _globals['_TIERSTATS']._serialized_end=1144
-  _globals['_STORESTATS']._serialized_start=1147
-  _globals['_STORESTATS']._serialized_end=1533
-  _globals['_ARENAREQUEST']._serialized_start=1535
-  _globals['_ARENAREQUEST']._serialized_end=1566
-  _globals['_ARENAINFO']._serialized_start=1569
-  _globals['_ARENAINFO']._serialized_end=1821
-  _globals['_ARENAINFO_REGIONADDRESSESENTRY']._serialized_start=1767
-  _globals['_ARENAINFO_REGIONADDRESSESENTRY']._serialized_end=1821
-  _globals['_ALLOCATEREQUEST']._serialized_start=1824
-  _globals['_ALLOCATEREQUEST']._serialized_end=1960
-  _globals['_ALLOCATERESPONSE']._serialized_start=1962
-  _globals['_ALLOCATERESPONSE']._serialized_end=1996
-  _globals['_STATESTORE']._serialized_start=1999
-  _globals['_STATESTORE']._serialized_end=2773
+  _globals['_RENEWREQUEST']._serialized_end=852
+  _globals['_RENEWRESPONSE']._serialized_start=854
+  _globals['_RENEWRESPONSE']._serialized_end=898
+  _globals['_RELEASEREQUEST']._serialized_start=900
+  _globals['_RELEASEREQUEST']._serialized_end=958
+  _globals['_RELEASERESPONSE']._serialized_start=960
+  _globals['_RELEASERESPONSE']._serialized_end=1014
+  _globals['_STATSREQUEST']._serialized_start=1016
+  _globals['_STATSREQUEST']._serialized_end=1030
+  _globals['_TIERSTATS']._serialized_start=1032
+  _globals['_TIERSTATS']._serialized_end=1159
+  _globals['_STORESTATS']._serialized_start=1162
+  _globals['_STORESTATS']._serialized_end=1548
+  _globals['_ARENAREQUEST']._serialized_start=1550
+  _globals['_ARENAREQUEST']._serialized_end=1581
+  _globals['_ARENAINFO']._serialized_start=1584
+  _globals['_ARENAINFO']._serialized_end=1836
+  _globals['_ARENAINFO_REGIONADDRESSESENTRY']._serialized_start=1782
+  _globals['_ARENAINFO_REGIONADDRESSESENTRY']._serialized_end=1836
+  _globals['_ALLOCATEREQUEST']._serialized_start=1839
+  _globals['_ALLOCATEREQUEST']._serialized_end=1975
+  _globals['_ALLOCATERESPONSE']._serialized_start=1977
+  _globals['_ALLOCATERESPONSE']._serialized_end=2011
+  _globals['_STATESTORE']._serialized_start=2014
+  _globals['_STATESTORE']._serialized_end=2788
 # @@protoc_insertion_point(module_scope)

@@ -92,12 +92,14 @@ class RegisterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class RenewRequest(_message.Message):
-    __slots__ = ("key", "lease_s")
+    __slots__ = ("key", "lease_s", "owner")
     KEY_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     key: str
     lease_s: float
-    def __init__(self, key: _Optional[str] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    owner: str
+    def __init__(self, key: _Optional[str] = ..., lease_s: _Optional[float] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class RenewResponse(_message.Message):
     __slots__ = ("lease_expiry_unix_s",)

@@ -123,3 +123,14 @@ def test_closing_the_store_frees_everything(store: StateStore) -> None:
     assert store.stats().num_bytes == 0
     with pytest.raises(StateReleasedError, match="closed"):
         store.put(make_chunk("new"), owner="w")
+
+
+def test_a_renewal_with_an_owner_hands_the_key_over(store: StateStore) -> None:
+    # a decode worker keeping a prefill's prompt state in place adopts it
+    store.put(make_chunk("req", 0), owner="prefill")
+    store.seal("req", owner="prefill")
+    store.renew("req", 30.0, owner="decode")
+    assert store.release(owner="prefill").num_keys == 0  # no longer the writer's
+    assert store.release(owner="decode").num_keys == 1
+    with pytest.raises(StateReleasedError):
+        list(store.get("req"))

@@ -141,3 +141,16 @@ def test_a_reader_waiting_for_the_key_stops_quietly_when_cancelled(store: StateS
     store.wake("req")
     reader.join(WAIT_S)
     assert not reader.is_alive() and reader.error is None and reader.received == []
+
+
+def test_a_reader_waiting_for_a_key_released_before_any_write_is_told(store: StateStore) -> None:
+    # a writer that failed before storing anything frees its key: the reader must not wait it out
+    waiting = _signal_when_a_reader_waits_for_the_key(store)
+    reader = Reader(store, "req", wait_for_key=True)  # no timeout: only the release can end it
+    reader.start()
+    assert waiting.wait(WAIT_S)
+    assert store.release("req").num_keys == 0  # nothing was stored under it
+    reader.join(WAIT_S)
+    assert not reader.is_alive() and isinstance(reader.error, StateReleasedError)
+    with pytest.raises(StateReleasedError, match="never written again"):
+        store.put(make_chunk("req", 0), owner="w")  # a late write is refused
