@@ -26,7 +26,9 @@ class GatewaySettings(BaseModel):
     max_model_len: int = Field(4096, ge=2)
     request_timeout_s: float = Field(600.0, gt=0, description="whole request, prefill to last token")
     rpc_timeout_s: float = Field(10.0, gt=0, description="unary control RPCs: Reserve, Abort, Stats")
-    reserve_timeout_s: float = Field(120.0, gt=0, description="a reservation lapses if no Decode comes")
+    reserve_timeout_s: float = Field(
+        600.0, gt=0, description="the decode's wait for the prefill's state; lapses at 2x if no Decode comes"
+    )
     state_lease_s: float = Field(0.0, ge=0, description="lease of transferred state; 0 = store default")
     drain_timeout_s: float = Field(
         30.0, ge=0, description="on stop, how long requests in flight may take to finish"

@@ -191,7 +191,9 @@ class StoreConfig(_Section):
 
     memory_bytes: ByteSize = 2 * 2**30
     disk: DiskConfig = DiskConfig()
-    lease_s: float = Field(default=60, gt=0)
+    # a state key's lease runs from its writer's first Allocate, at the prefill's start: a 32k-token
+    # prompt's prefill on a CPU takes minutes, so the lease matches the gateway's whole-request limit
+    lease_s: float = Field(default=600, gt=0)
     num_cpus: float = Field(default=0.25, ge=0)
     # Serves the store's shared-memory arena to readers on other nodes: "mooncake" (the
     # `mooncake` extra, needs libibverbs) or "none" (they get the bytes over gRPC).
@@ -262,7 +264,9 @@ class HealthConfig(_Section):
     workers a scale-down removes, requests in flight get `drain_timeout_s` to finish."""
 
     interval_s: float = Field(default=5, gt=0)
-    timeout_s: float = Field(default=10, gt=0)
+    # stats() waits behind the engine's step in progress: a prefill chunk deep into a 32k-token
+    # prompt takes over 10 s on a loaded CPU,, and a restart kills the request it is prefilling
+    timeout_s: float = Field(default=60, gt=0)
     max_restarts: int = Field(default=3, ge=0)
     # restarts older than this no longer count against max_restarts (0: every restart ever counts),
     # so a worker that crashes once a day is not given up on after three days
