@@ -265,7 +265,7 @@ class HealthConfig(_Section):
 
     interval_s: float = Field(default=5, gt=0)
     # stats() waits behind the engine's step in progress: a prefill chunk deep into a 32k-token
-    # prompt takes over 10 s on a loaded CPU,, and a restart kills the request it is prefilling
+    # prompt takes over 10 s on a loaded CPU, and a restart kills the request it is prefilling
     timeout_s: float = Field(default=60, gt=0)
     max_restarts: int = Field(default=3, ge=0)
     # restarts older than this no longer count against max_restarts (0: every restart ever counts),
