@@ -7,8 +7,9 @@ Starts a deployment on its own local Ray (`run_cluster`, the default config unle
 the embedded tiny model, one prefill and one decode worker, default `max_num_seqs` and admission
 queue; the gateway on a free port), then for each N opens N greedy streaming completions at once
 (httpx, one connection each; prompts of random token ids, EOS ignored so every stream should
-bring exactly its max_tokens). Per round it prints: completed / failed (by HTTP status, stream
-error or exception, with the first error texts), TTFT and end-to-end p50/p99 at the client, the
+bring exactly its max_tokens; `--leave-after-s` drops those still running then). Per round it
+prints: completed / failed (by HTTP status, stream error or exception, with the first error
+texts), TTFT and end-to-end p50/p99 at the client, the
 admission queue (peak depth, refusals), and per process of the deployment (gateway, store,
 workers) its thread count, open fds and RSS before, at peak (sampled from /proc every 0.25 s)
 and after; then whether the deployment went back to idle: no request, reservation or slot held
@@ -26,6 +27,7 @@ import statistics
 import threading
 import time
 from collections import Counter
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,11 +182,26 @@ def make_bodies(model: str, n: int, args: argparse.Namespace, seed: int) -> list
     ]
 
 
-async def run_round(gateway_url: str, bodies: list[dict[str, Any]], timeout_s: float) -> list[Outcome]:
+async def run_round(
+    gateway_url: str, bodies: list[dict[str, Any]], timeout_s: float, leave_after_s: float | None = None
+) -> list[Outcome]:
+    """Every request at once; with `leave_after_s`, the client walks away from each one still
+    running then (closes its connection), as a crowd of impatient clients would."""
     limits = httpx.Limits(max_connections=len(bodies), max_keepalive_connections=len(bodies))
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s)) as client:
         url = f"{gateway_url}/v1/completions"
-        return await asyncio.gather(*(one_request(client, url, b) for b in bodies))
+        if leave_after_s is None:
+            return await asyncio.gather(*(one_request(client, url, b) for b in bodies))
+        return await asyncio.gather(
+            *(_left_after(one_request(client, url, b), leave_after_s) for b in bodies)
+        )
+
+
+async def _left_after(request: Coroutine[Any, Any, Outcome], leave_after_s: float) -> Outcome:
+    try:
+        return await asyncio.wait_for(request, leave_after_s)
+    except asyncio.TimeoutError:
+        return Outcome(0, f"left by the client after {leave_after_s:g} s")
 
 
 def held_by_deployment(handle: ClusterHandle) -> dict[str, Any]:
@@ -319,6 +336,9 @@ def main() -> None:
         action="store_true",
         help="start at once, before the gateway knows the decode room",
     )
+    parser.add_argument(
+        "--leave-after-s", type=float, default=None, help="the client drops every request still running then"
+    )
     parser.add_argument("--name", default="h17inf", help="the deployment's name (its own Ray)")
     args = parser.parse_args()
     config = cluster_config(args.config)
@@ -340,7 +360,7 @@ def main() -> None:
             refused_before = refusals(f"{url}/metrics")
             with Sampler(deployment_processes(handle), f"{url}/metrics") as sampler:
                 start_s = time.monotonic()
-                outcomes = asyncio.run(run_round(url, bodies, args.timeout_s))
+                outcomes = asyncio.run(run_round(url, bodies, args.timeout_s, args.leave_after_s))
                 wall_s = time.monotonic() - start_s
             refused = {k: v - refused_before.get(k, 0.0) for k, v in refusals(f"{url}/metrics").items()}
             held, waited_s = settle(handle, sampler.processes)
