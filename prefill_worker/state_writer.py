@@ -51,7 +51,13 @@ class StateWriter:
         # shared_memory False: another node's store (two hops), written over the network
         sharing = {} if shared_memory is None else {"shared_memory": shared_memory}
         self._put = client.open_put(
-            key, owner=owner, lease_s=lease_s, expected_bytes=expected_bytes, hold_bytes=HOLD_BYTES, **sharing
+            key,
+            owner=owner,
+            lease_s=lease_s,
+            expected_bytes=expected_bytes,
+            hold_bytes=HOLD_BYTES,
+            warm_next=True,  # a worker keeps its client per store: its next put starts ready
+            **sharing,
         )
 
     def write(self, state: LayerState) -> None:

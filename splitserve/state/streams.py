@@ -98,6 +98,12 @@ class WarmCall:
         return next(self._source)
 
 
+def _if_acked(call: grpc.Future, then: Callable[[], None]) -> None:
+    """`then()` if `call` (a PutBatch, just ended) was acknowledged (not failed nor cancelled)."""
+    if not call.cancelled() and call.exception() is None:
+        then()
+
+
 class PutStream:
     """One client-streaming Put of one key, open until `finish` (seal and wait) or `cancel`.
 
@@ -109,7 +115,9 @@ class PutStream:
     region is `expected_bytes` if given) and are committed by reference, those ready together in
     one PutBatch message (`_batches`); without, they are cut into chunks and sent as bytes.
     `on_finish` runs after a successful `finish` (the client leases its next spare region there);
-    a `warm_call` (opened ahead, unused) carries the put instead of a new call.
+    `on_acked` on gRPC's channel thread once the store acknowledged the seal, alongside `finish`
+    returning (the client opens the next put's call there, off its writer's thread); a
+    `warm_call` (opened ahead, unused) carries the put instead of a new call.
 
     With `hold_bytes`, `write_state` pieces are held on the writer's side until that many bytes
     are held (or `finish`), then queued as one item: the sending thread wakes once and commits
@@ -133,6 +141,7 @@ class PutStream:
         on_finish: Callable[[], None] | None = None,
         warm_call: WarmCall | None = None,
         hold_bytes: int = 0,
+        on_acked: Callable[[], None] | None = None,
     ) -> None:
         self.key, self.owner, self.lease_s = key, owner, lease_s or 0.0
         self.hold_bytes = hold_bytes
@@ -151,6 +160,8 @@ class PutStream:
         self._closed = threading.Event()
         batches = self._batches()
         self._call = warm_call.attach(batches) if warm_call is not None else stub.PutBatch.future(batches)
+        if on_acked is not None:
+            self._call.add_done_callback(lambda call: _if_acked(call, on_acked))
 
     def write(self, chunks: Iterable[Chunk]) -> None:
         """Queues `chunks` (a list, or a generator to run on the sending thread)."""

@@ -3,6 +3,7 @@ into it at once and its first commit moves it to the put's key."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -124,3 +125,29 @@ def test_a_put_stream_is_opened_ahead_and_carries_the_next_put(server: StateStor
         client._warm_calls.put(unused)
     assert not unused.usable  # closing the client ended the call nobody used
     assert unused.call.cancelled()
+
+
+def test_warm_next_opens_the_next_put_stream_without_a_spare_region(server: StateStoreServer) -> None:
+    with StateStoreClient(server.address, timeout_s=WAIT_S) as client:
+        put = client.open_put("first", owner="prefill", expected_bytes=NUM_BYTES, warm_next=True)
+        acked = threading.Event()
+        put._call.add_done_callback(lambda _: acked.set())  # runs after the client's own callback
+        write_layers(put, LAYERS)
+        assert acked.wait(WAIT_S)
+        assert not client._warm_calls.empty()  # opened when the store acknowledged the put
+        put = client.open_put("second", owner="prefill", expected_bytes=NUM_BYTES)
+        assert client._warm_calls.empty()  # taken by this put
+        write_layers(put, LAYERS)
+        assert client._warm_calls.empty()  # this put did not ask for another
+        assert all(np.array_equal(a, b) for a, b in zip(_read(client, "second"), LAYERS, strict=True))
+        assert _spare_keys(server.store) == []  # no region was leased ahead
+
+
+def test_a_cancelled_put_opens_no_call_ahead(server: StateStoreServer) -> None:
+    with StateStoreClient(server.address, timeout_s=WAIT_S) as client:
+        put = client.open_put("first", owner="prefill", expected_bytes=NUM_BYTES, warm_next=True)
+        ended = threading.Event()
+        put._call.add_done_callback(lambda _: ended.set())  # runs after the client's own callback
+        put.cancel()
+        assert ended.wait(WAIT_S)
+        assert client._warm_calls.empty()

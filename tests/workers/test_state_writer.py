@@ -35,9 +35,16 @@ class FakeClient:
         self.put = FakePut()
 
     def open_put(
-        self, key: str, *, owner: str, lease_s: float, expected_bytes: int | None, hold_bytes: int
+        self,
+        key: str,
+        *,
+        owner: str,
+        lease_s: float,
+        expected_bytes: int | None,
+        hold_bytes: int,
+        warm_next: bool,
     ) -> FakePut:
-        assert hold_bytes == HOLD_BYTES
+        assert hold_bytes == HOLD_BYTES and warm_next
         return self.put
 
 
