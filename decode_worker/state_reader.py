@@ -83,7 +83,8 @@ class StateReader:
     def _pull(self) -> None:
         rid = self.request_id
         try:
-            for piece in decode_pieces(self._count(self._stream)):
+            # KDA states of one chunk are not copied here: the sink (and keep_copies) copies them
+            for piece in decode_pieces(self._count(self._stream), kda_in_place=True):
                 if self.copies is not None:  # before the sink: it may take the tensor as it is
                     self.copies.append(dataclasses.replace(piece, tensor=piece.tensor.clone()))
                 self.sink.write(piece)  # into the reserved rows/slot, on this thread

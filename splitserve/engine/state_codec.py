@@ -69,10 +69,12 @@ def host_bytes(tensor: torch.Tensor) -> tuple[memoryview, str, tuple[int, ...]]:
     return data, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)
 
 
-def decode_pieces(chunks: Iterable[Chunk]) -> Iterator[LayerState]:
+def decode_pieces(chunks: Iterable[Chunk], kda_in_place: bool = False) -> Iterator[LayerState]:
     """What a reader scatters as chunks land: each MLA chunk at once as its own piece (its token
-    range; no reassembly), each KDA state once all its chunks are in. The pieces' tensors read
-    the chunks' bytes in place (read-only: copy them, do not write to them).
+    range; no reassembly), each KDA state once all its chunks are in. The MLA pieces' tensors read
+    the chunks' bytes in place (read-only: copy them, do not write to them); KDA states are joined
+    into a new tensor, or with `kda_in_place` a state of one chunk (the usual) reads it in place
+    too (for a caller that only copies them out, as the decode's TransferSink does).
 
     Raises `CorruptStateError` if a KDA state's chunks do not add up or the stream ends mid-state.
     """
@@ -93,7 +95,9 @@ def decode_pieces(chunks: Iterable[Chunk]) -> Iterator[LayerState]:
         parts.append(chunk)
         if len(parts) == meta.num_chunks:
             del pending[(meta.layer, meta.kind)]
-            yield LayerState(meta.layer, meta.kind, _tensor(parts), parts[0].meta.token_start, meta.token_end)
+            in_place = kda_in_place and len(parts) == 1  # no copy: a reader only copies it out
+            tensor = _view(chunk.data, meta.dtype, meta.shape) if in_place else _tensor(parts)
+            yield LayerState(meta.layer, meta.kind, tensor, parts[0].meta.token_start, meta.token_end)
     if pending:
         raise CorruptStateError(f"state stream ended with {len(pending)} incomplete KDA states")
 

@@ -110,16 +110,20 @@ class TransferSink:
         )
 
     def _mark_locked(self, state: LayerState) -> None:
-        what = f"layer {state.layer_id} {StateKind(state.kind).value}"
         if state.kind is StateKind.MLA_KV:
             covered = self._covered[state.layer_id][state.token_start : state.token_end]
             if covered.any():
                 raise CorruptStateError(
-                    f"{what} tokens [{state.token_start}, {state.token_end}) arrived twice"
+                    f"{_what(state)} tokens [{state.token_start}, {state.token_end}) arrived twice"
                 )
             covered[:] = True
             self._num_tokens[state.layer_id] += state.token_end - state.token_start
             return
         if (state.layer_id, state.kind) in self._kda:
-            raise CorruptStateError(f"{what} arrived twice")
+            raise CorruptStateError(f"{_what(state)} arrived twice")
         self._kda.add((state.layer_id, state.kind))
+
+
+def _what(state: LayerState) -> str:
+    """The piece in words, for errors only (not formatted for every piece that lands)."""
+    return f"layer {state.layer_id} {StateKind(state.kind).value}"
