@@ -22,7 +22,6 @@ region is registered with it while mapped, and `addresses` tells a reader where 
 from __future__ import annotations
 
 import itertools
-import mmap
 import os
 import secrets
 import threading
@@ -30,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from splitserve.state.errors import StoreFullError
+from splitserve.state.mapping import map_file
 from splitserve.state.transport import TransportEndpoint, TransportServer, check_engine, open_server
 from state_store.tier_directory import ClaimedDirectory, reclaim_abandoned
 
@@ -125,13 +125,13 @@ class Arena:
         try:
             if num_bytes:  # reserve the pages now: a full tmpfs is an error here, not a SIGBUS later
                 os.posix_fallocate(fd, 0, num_bytes)
-            mapped = mmap.mmap(fd, num_bytes) if num_bytes else None
+            view = map_file(fd, num_bytes, writable=True)  # keeps no fd open: one region per prefix
         except OSError as e:
             os.close(fd)
             path.unlink(missing_ok=True)
             raise StoreFullError(f"no room for a {num_bytes}-byte region in {self.directory}: {e}") from None
         os.close(fd)
-        region = Region(name, num_bytes, memoryview(mapped) if mapped is not None else memoryview(b""))
+        region = Region(name, num_bytes, view)
         if num_bytes:
             with self._lock:
                 self._mapped[name] = region.view

@@ -8,7 +8,6 @@ frees the region (freeing unlinks the file), until its last view is dropped.
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
 from collections import OrderedDict
@@ -18,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from splitserve.state.errors import StateUnavailableError
+from splitserve.state.mapping import map_file
 
 MAPPING_CACHE_BYTES = 1 << 30  # a client's mappings of a store's regions kept for reuse
 
@@ -82,12 +82,9 @@ class LocalArena:
                 f"shared-memory region {path} is gone: its key was released or expired"
             ) from None
         try:
-            size = os.fstat(fd).st_size
-            if size == 0:
-                return memoryview(b"")
-            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-            # MAP_POPULATE: map every page now, not one fault per 4 KiB during the copy
-            return memoryview(mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=prot))
+            # MAP_POPULATE: map every page now, not one fault per 4 KiB during the copy; the
+            # mapping keeps no fd open (a process maps one region per retained prefix)
+            return map_file(fd, os.fstat(fd).st_size, writable=writable, populate=True)
         finally:
             os.close(fd)
 
