@@ -384,6 +384,7 @@ class StateStore(RegionWrites, PolledReads, PrefixCatalog):
             self._tiers.remove(RegionId(entry.key, region.name))
             if self.arena is not None:
                 self.arena.free(region)
+        entry.on_held_bytes = None
         if entry.key in self._retained:
             self._retained.discard(entry.key)
             if cls is not StateReleasedError:  # evicted or corrupt, not freed on purpose
@@ -392,7 +393,6 @@ class StateStore(RegionWrites, PolledReads, PrefixCatalog):
         self._leases.drop(entry.key)
         self._prefixes.forget(entry.key)
         self._tombstones.add(entry.key, (cls, why))
-        entry.on_held_bytes = None
         entry.gone = (cls, why)
         entry.cond.notify_all()
         self._notify_locked(entry.key)
