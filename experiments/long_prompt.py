@@ -7,11 +7,14 @@ its own local Ray under the name `h17long` (1 prefill, 1 decode worker, the defa
 otherwise: KV budget, chunk size, gateway limits and timeouts as shipped; `max_model_len` the
 longest size plus 1,024), and sends one greedy request per size (token-id prompts, EOS ignored,
 streamed). Per size it prints: TTFT at the client, the state bytes the prefill handed to the
-decode (the gateway's `splitserve_state_transfer_bytes`), the prefill chunks (steps of at most
-`prefill.max_num_batched_tokens` prompt tokens), the peak RSS (VmHWM) of every process of the
-deployment so far (prefill, decode, store, gateway), and whether the tokens equal the offline
-engine's (`splitserve.LLM`, prefix caching off) for the same prompt. The offline runs come after
-the deployment ends, so they do not share the CPUs with it.
+decode (the gateway's `splitserve_state_transfer_bytes`), the peak RSS (VmHWM) of every process
+of the deployment so far (prefill, decode, store, gateway), and, from the offline engine
+(`splitserve.LLM`, prefix caching off, one thread like a `num_cpus: 1` worker) driven a step at
+a time on the same prompt: the prefill's chunks (steps before the first token), its longest step
+(how long a call queued behind the engine, such as the health probe's `stats()`, waits) and
+whether the cluster's tokens equal its tokens. The offline runs come after the deployment ends,
+so they do not share the CPUs with it. `--health-timeout-s` overrides `health.timeout_s` (the
+controller restarts a worker whose `stats()` does not answer within it).
 """
 
 from __future__ import annotations
@@ -137,27 +140,53 @@ def run_deployment(
     return results
 
 
-def offline_tokens(model_path: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Each prompt's greedy tokens from the offline engine (one request at a time, caching off)."""
-    llm = LLM(model=model_path, max_model_len=max(map(len, prompts)) + HEADROOM_TOKENS)
+@dataclass(frozen=True)
+class Offline:
+    """One prompt through the offline engine, driven a step at a time like a worker's loop."""
+
+    token_ids: list[int]
+    num_prefill_steps: int  # steps before the first token: the prefill's chunks
+    longest_step_s: float  # what a control call queued behind the engine (stats()) may wait
+
+
+def offline_runs(model_path: str, prompts: list[list[int]], max_tokens: int) -> list[Offline]:
+    """Each prompt's greedy tokens from the offline engine (one at a time, caching off, one thread
+    like a `num_cpus: 1` worker), with its prefill steps and its longest step timed."""
+    llm = LLM(model=model_path, max_model_len=max(map(len, prompts)) + HEADROOM_TOKENS, num_threads=1)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return [
-        llm.generate(prompt_token_ids=[p], sampling_params=params)[0].outputs[0].token_ids for p in prompts
-    ]
+    runs = []
+    for i, prompt in enumerate(prompts):
+        llm.engine.add_request(f"offline-{i}", prompt, params)
+        tokens: list[int] = []
+        num_prefill_steps, longest_s, finished = 0, 0.0, False
+        while not finished:
+            start_s = time.perf_counter()
+            updates = llm.engine.step()
+            longest_s = max(longest_s, time.perf_counter() - start_s)
+            num_prefill_steps += not tokens
+            for update in updates:
+                tokens += update.new_token_ids
+                finished = finished or update.finished
+        runs.append(Offline(tokens, num_prefill_steps, longest_s))
+    return runs
 
 
-def report(results: list[Result], offline: list[list[int]] | None, chunk_tokens: int) -> str:
+def report(results: list[Result], offline: list[Offline] | None, chunk_tokens: int) -> str:
     labels = sorted({label for r in results for label in r.peak_rss_bytes})
     head = "| prompt (tokens) | TTFT (s) | total (s) | state moved (MiB) | prefill chunks | "
-    head += " | ".join(f"peak RSS {label} (MiB)" for label in labels) + " | tokens = offline |"
-    rows = [head, "|" + "---:|" * (6 + len(labels))]
+    head += " | ".join(f"peak RSS {label} (MiB)" for label in labels)
+    head += " | longest step, offline (s) | tokens = offline |"
+    rows = [head, "|" + "---:|" * (7 + len(labels))]
     for i, r in enumerate(results):
-        exact = "-" if offline is None else ("yes" if r.token_ids == offline[i] else f"NO {offline[i]}")
         rss = " | ".join(f"{r.peak_rss_bytes.get(label, 0) / 2**20:,.0f}" for label in labels)
-        chunks = -(-r.num_prompt_tokens // chunk_tokens)
+        chunks, longest, exact = f"{-(-r.num_prompt_tokens // chunk_tokens)} (planned)", "-", "-"
+        if offline is not None:
+            o = offline[i]
+            chunks, longest = str(o.num_prefill_steps), f"{o.longest_step_s:.1f}"
+            exact = "yes" if r.token_ids == o.token_ids else f"NO {o.token_ids}"
         rows.append(
             f"| {r.num_prompt_tokens:,} | {r.ttft_s:.1f} | {r.total_s:.1f} | {r.state_bytes / 2**20:.2f} | "
-            f"{chunks} | {rss} | {exact} |"
+            f"{chunks} | {rss} | {longest} | {exact} |"
         )
     return "\n".join(rows)
 
@@ -171,8 +200,8 @@ def main() -> None:
         "--health-timeout-s",
         type=float,
         default=HealthConfig().timeout_s,
-        help="health.timeout_s: the controller restarts a worker whose stats() waits longer (it waits "
-        "behind the engine's step in progress, and a 32k prompt's prefill chunks take longer than 10 s here)",
+        help="health.timeout_s (default: the config's): a worker whose stats() waits longer behind the "
+        "engine's step in progress is restarted",
     )
     parser.add_argument("--skip-offline", action="store_true", help="do not check against splitserve.LLM")
     args = parser.parse_args()
@@ -181,7 +210,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = str(make_tiny_model(tmp, preset=PRESET, seed=args.seed))
         results = run_deployment(model, prompts, args.max_tokens, args.health_timeout_s)
-        offline = None if args.skip_offline else offline_tokens(model, prompts, args.max_tokens)
+        offline = None if args.skip_offline else offline_runs(model, prompts, args.max_tokens)
     print(report(results, offline, PrefillPoolConfig().max_num_batched_tokens))
 
 
