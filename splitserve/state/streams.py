@@ -189,24 +189,24 @@ class PutStream:
         several pieces (one per prefill chunk) passes the prompt's `num_tokens`: its chunks are
         then numbered by token (`number_by_token`), as the engine's state codec numbers them.
         Held instead of queued while fewer than `hold_bytes` are held (see the class)."""
-        if not self._closed.is_set():
-            shape = tuple(int(d) for d in shape)
-            piece = StatePiece(
-                layer,
-                StateKind(kind),
-                data,
-                dtype,
-                shape,
-                token_start,
-                token_end,
-                max_chunk_bytes,
-                num_tokens,
-            )
-            with self._held_lock:
-                self._held.append(piece)
-                self._held_bytes += memoryview(data).nbytes
-                if self._held_bytes >= self.hold_bytes:
-                    self._queue_held()
+        piece = StatePiece(
+            layer,
+            StateKind(kind),
+            data,
+            dtype,
+            tuple(int(d) for d in shape),
+            token_start,
+            token_end,
+            max_chunk_bytes,
+            num_tokens,
+        )
+        with self._held_lock:
+            if self._closed.is_set():
+                return
+            self._held.append(piece)
+            self._held_bytes += memoryview(data).nbytes
+            if self._held_bytes >= self.hold_bytes:
+                self._queue_held()
 
     def _queue_held(self) -> None:
         """Hands the held pieces to the sending thread as one item: one wakeup, one message."""
@@ -218,9 +218,6 @@ class PutStream:
         """Seals the key after everything written and waits for the store's ack; returns its
         (chunks, bytes) count. Raises the store's error, or `StateTimeoutError` after `timeout_s`."""
         self._seal = True
-        with self._held_lock:
-            if not self._closed.is_set():
-                self._queue_held()
         self._close()
         try:
             reply = self._call.result(timeout=timeout_s)
@@ -245,9 +242,13 @@ class PutStream:
         self._close()
 
     def _close(self) -> None:
-        if not self._closed.is_set():
-            self._closed.set()
-            self._queue.put(_END)
+        """Ends the queue; when sealing, what is held goes first (cancelling drops it)."""
+        with self._held_lock:
+            if not self._closed.is_set():
+                if self._seal:
+                    self._queue_held()
+                self._closed.set()
+                self._queue.put(_END)
 
     def _batches(self) -> Iterator[store_pb2.StateChunks]:
         """`_messages` as PutBatch messages: the region commits (no bytes) and the seal that were
