@@ -27,8 +27,9 @@ logger = logging.getLogger(__name__)
 
 OWNER = "prefix-cache"  # not the worker's id: a worker's restart or release frees its own keys, not these
 CLIENT_TIMEOUT_S = 10.0  # a store that does not answer a lookup or registration this fast: count a failure
-WRITE_LEASE_S = 120.0
-WRITE_TIMEOUT_S = 60.0  # a write the store has not acknowledged by then is abandoned (and counted)  # until Register retains the key; a write that never registers frees itself
+WRITE_LEASE_S = 120.0  # until Register retains the key; a write that never registers frees itself
+WRITE_TIMEOUT_S = 60.0  # a write the store has not acknowledged by then is abandoned (and counted)
+HOLD_BYTES = 1 << 20  # pieces under this many bytes go in one message (a large model's: one each)
 
 
 @dataclass
@@ -150,7 +151,17 @@ class PrefixPublisher:
         the pieces go into the store's shared-memory arena (one copy, and a fetch on the node
         reads them in place); else as bytes over gRPC."""
         num_bytes = sum(state.num_bytes for state in prefix.states)
-        put = self.client.open_put(key, owner=OWNER, lease_s=WRITE_LEASE_S, expected_bytes=num_bytes)
+        # warm_next: the publisher puts after every retained prefix, so each put starts on a call
+        # opened ahead (no call start-up, no new request-consuming thread per put); hold_bytes:
+        # the pieces, written back to back, go in as few messages as their size allows
+        put = self.client.open_put(
+            key,
+            owner=OWNER,
+            lease_s=WRITE_LEASE_S,
+            expected_bytes=num_bytes,
+            hold_bytes=HOLD_BYTES,
+            warm_next=True,
+        )
         held = []  # write_state reads these in place until finish
         try:
             for state in prefix.states:
