@@ -4,7 +4,8 @@ The store is this node's own (the gateway names the prefill's node store: one ho
 reads it there), so pieces go through its shared-memory arena; a decode's own store on another
 node (two hops, when the gateway knows no stores) gets bytes. The engine thread only queues each
 piece it hands over (a copy of one prefill chunk's MLA rows of one layer, or a KDA state after
-the last chunk). A piece on the CPU goes to `write_state` (the sending thread copies it once
+the last chunk); pieces under `HOLD_BYTES` in all wait and go together (one wakeup of the sending
+thread, one message), and the put's call was opened when the previous put was acknowledged. A piece on the CPU goes to `write_state` (the sending thread copies it once
 into the arena, or cuts and sends it as bytes); a piece on a device goes as a lazy `encode`, whose
 copy to the host runs on the sending thread. Checksums are computed there too, so the engine
 never waits on the network, on a checksum or on a device sync. `finish` seals the key and waits
