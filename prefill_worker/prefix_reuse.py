@@ -10,7 +10,7 @@ from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.prefix_cache.imported import ImportedPrefix
 from splitserve.engine.prefix_cache.match import find_hit
-from splitserve.engine.prefix_store.fetcher import PrefixFetcher
+from splitserve.engine.prefix_store.fetcher import PrefixFetcher, StoredMatch
 from splitserve.engine.prefix_store.publisher import PrefixPublisher
 from splitserve.engine.request import Request
 from splitserve.prefix_hash import prefix_hash_chain
@@ -59,21 +59,25 @@ class PrefixReuse:
         """The request's chain: the gateway's if it sent one, else the one the engine would make."""
         return list(sent) if sent else prefix_hash_chain(prompt_token_ids, self.unit, self.salt)
 
-    def fetch(
+    def lookup(
         self, chain: list[bytes], prompt_token_ids: Sequence[int], other_store: str = ""
-    ) -> ImportedPrefix | None:
-        """The stored state of this prompt's longest prefix, if longer than the engine's own hit."""
-        if not chain:
-            return None
+    ) -> StoredMatch | None:
+        """The stores' longest match of this prompt (this node's store first, then `other_store`),
+        or None; reads nothing yet, and never waits for the engine thread."""
         addresses = [self.store_address] + (
             [other_store] if other_store not in ("", self.store_address) else []
         )
-        stores = [self._client(address) for address in addresses]
+        return self.fetcher.lookup([self._client(a) for a in addresses], chain, prompt_token_ids)
 
-        def local() -> int:
-            return self.loop.call(lambda e: local_hit_tokens(e, chain, prompt_token_ids)).result()
+    def worth_reading(
+        self, engine: LLMEngine, found: StoredMatch, chain: list[bytes], prompt_token_ids: Sequence[int]
+    ) -> bool:
+        """Whether `found` saves enough over what `engine`'s own cache serves (engine thread)."""
+        return self.fetcher.worth_reading(found, local_hit_tokens(engine, chain, prompt_token_ids))
 
-        return self.fetcher.fetch(stores, chain, prompt_token_ids, local)
+    def read(self, found: StoredMatch, chain: list[bytes]) -> ImportedPrefix | None:
+        """The stored state of `found`, whole, or None (counted; the prompt is computed)."""
+        return self.fetcher.read(found, chain)
 
     def refused(self, why: Exception) -> None:
         """The engine refused a fetched state (engine thread): count it like a failed fetch."""

@@ -102,10 +102,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
         self.loop.watch(rid, on_update)
         prompt, sent = list(request.prompt_token_ids), list(request.output_token_ids)  # sent: failover
-        chain, imported = list(request.prefix_hashes) or None, None  # None: the engine hashes the prompt
+        chain, stored = list(request.prefix_hashes) or None, None  # None: the engine hashes the prompt
         if self.prefixes is not None:  # a prefix the stores hold further than the engine streams in
             chain = self.prefixes.chain_of(prompt, chain)
-            imported = self.prefixes.fetch(chain, prompt, request.store_address)
+            stored = self.prefixes.lookup(chain, prompt, request.store_address)
 
         def add(engine: LLMEngine, state: ImportedPrefix | None) -> None:
             engine.add_request(
@@ -118,8 +118,24 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 imported_prefix=state,
             )
 
+        def add_unless_worth_reading(engine: LLMEngine) -> bool:
+            # One trip to the engine thread when nothing is read: the comparison with the
+            # engine's own hit and the add happen together (a busy engine answers between steps)
+            prefixes = self.prefixes
+            if (
+                stored is not None
+                and prefixes is not None
+                and prefixes.worth_reading(engine, stored, chain or [], prompt)
+            ):
+                return False
+            add(engine, None)
+            return True
+
         try:
-            self.loop.call(lambda e: self._add_with(e, add, imported)).result()
+            if not self.loop.call(add_unless_worth_reading).result():
+                assert self.prefixes is not None and stored is not None
+                imported = self.prefixes.read(stored, chain or [])  # off the engine thread
+                self.loop.call(lambda e: self._add_with(e, add, imported)).result()
         except ValueError as exc:
             self.loop.unwatch(rid)
             writer.cancel()

@@ -201,7 +201,9 @@ def test_a_fetched_state_the_engine_refuses_is_computed_instead(node, reference,
     params = _params(False)
     prefixes = workers["b"].servicer.prefixes
     wrong = ImportedPrefix(UNIT, [bytes(16)], [])  # names another prompt: add_request refuses it
-    monkeypatch.setattr(prefixes, "fetch", lambda *args: wrong)
+    monkeypatch.setattr(prefixes, "lookup", lambda *args: object())  # a store "holds" it
+    monkeypatch.setattr(prefixes, "worth_reading", lambda *args: True)
+    monkeypatch.setattr(prefixes, "read", lambda *args: wrong)
     failures, imported = prefixes.fetcher.stats.num_failures, _imported_tokens(workers["b"])
     got = generate(addresses["b"], addresses["decode"], "b-refused", prompt, params).token_ids
     assert got == reference(prompt, params)

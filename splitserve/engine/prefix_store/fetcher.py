@@ -40,6 +40,14 @@ class FetcherStats:
     fetch_s: float = 0.0  # seconds spent streaming and decoding the hits
 
 
+@dataclass(frozen=True)
+class StoredMatch:
+    """A store's longest match of a prompt, and the store holding it."""
+
+    match: PrefixMatch
+    store: StateStoreClient
+
+
 class PrefixFetcher:
     """Finds and streams in the longest stored prefix of a prompt; owns no client (it borrows them).
 
@@ -71,7 +79,17 @@ class PrefixFetcher:
         `min_gain_tokens` more than `local_hit_tokens()` (what the engine's own cache would serve;
         asked only when a store has a match, so a cold prompt never waits for the engine thread);
         it always leaves the prompt's last token to compute. None when there is no such state or
-        it could not be used."""
+        it could not be used. `lookup`, `worth_reading` and `read` one at a time."""
+        found = self.lookup(stores, hash_chain, prompt_token_ids)
+        if found is None or not self.worth_reading(found, local_hit_tokens()):
+            return None
+        return self.read(found, hash_chain)
+
+    def lookup(
+        self, stores: Sequence[StateStoreClient], hash_chain: Sequence[bytes], prompt_token_ids: Sequence[int]
+    ) -> StoredMatch | None:
+        """The longest match of the prompt (all but its last token) any of `stores` holds, and
+        where; None when none holds any (a store that fails is skipped)."""
         if not hash_chain or not stores:
             return None
         usable_tokens = list(prompt_token_ids[:-1])  # the sample needs the last token's logits
@@ -85,12 +103,19 @@ class PrefixFetcher:
                 continue
             if found.key is not None and found.num_tokens > best.num_tokens:
                 best, best_store = found, store
-        if best_store is None:
-            return None
-        num_local = local_hit_tokens()
-        if best.num_tokens - num_local < (self.min_gain_tokens if num_local else 1):
+        return None if best_store is None else StoredMatch(best, best_store)
+
+    def worth_reading(self, found: StoredMatch, num_local_tokens: int) -> bool:
+        """Whether `found` covers at least `min_gain_tokens` more than the engine's own hit of
+        `num_local_tokens` (any gain when it has none); counted when not."""
+        if found.match.num_tokens - num_local_tokens < (self.min_gain_tokens if num_local_tokens else 1):
             self._count(num_not_longer=1)
-            return None
+            return False
+        return True
+
+    def read(self, found: StoredMatch, hash_chain: Sequence[bytes]) -> ImportedPrefix | None:
+        """Streams `found` in and checks it is whole; None (counted) when it cannot be used."""
+        best, best_store = found.match, found.store
         started = time.monotonic()
         try:
             states = self._read(best_store, best)
