@@ -78,6 +78,13 @@ def add_load_options(parser: argparse.ArgumentParser) -> None:
         "--max-concurrency", type=int, default=None, help="most requests in flight at once (default: no cap)"
     )
     load.add_argument(
+        "--think-time-s",
+        type=float,
+        default=0.0,
+        help="multi-turn: seconds a session waits after a reply before its next turn, as a user reading "
+        "it (holds no request slot; default: 0, back to back)",
+    )
+    load.add_argument(
         "--seed", type=int, default=0, help="seed of the prompts, lengths and arrivals (default: 0)"
     )
     load.add_argument(
@@ -155,6 +162,7 @@ def run_config_from_args(args: argparse.Namespace, *, base_url: str, model: str)
         request_rate=args.request_rate,
         burstiness=args.burstiness,
         max_concurrency=args.max_concurrency,
+        think_time_s=args.think_time_s,
         seed=args.seed,
         slos_ms=parse_slos(args.goodput),
         api_key=args.api_key,

@@ -51,6 +51,7 @@ class RunConfig:
     request_rate: float = math.inf
     burstiness: float = 1.0
     max_concurrency: int | None = None
+    think_time_s: float = 0.0  # multi-turn: a session's pause between a reply and its next turn
     seed: int = 0
     slos_ms: dict[str, float] = field(default_factory=dict)
     api_key: str | None = None
@@ -63,6 +64,8 @@ class RunConfig:
             raise ValueError(f"unknown endpoint {self.endpoint!r}; choose one of {', '.join(ENDPOINTS)}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be at least 1 (got {self.max_concurrency})")
+        if self.think_time_s < 0:
+            raise ValueError(f"think_time_s must be >= 0 (got {self.think_time_s})")
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be positive (got {self.request_timeout_s})")
         check_slo_names(self.slos_ms)
@@ -158,6 +161,8 @@ class _Run:
                 records.append(self._not_sent(index, session, turn_index, turn.output_len))
                 continue
             where = {"session_id": session.session_id, "turn_index": turn_index}
+            if turn_index and self.config.think_time_s:
+                await asyncio.sleep(self.config.think_time_s)  # the user reads the reply (no slot held)
             if isinstance(turn.user_message, tuple):
                 # Token ids: the reply goes back as the ids the server generated, never through text.
                 id_conversation.ask(turn.user_message)

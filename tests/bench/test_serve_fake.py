@@ -191,3 +191,19 @@ def test_bad_options_exit_2_with_the_reason(tmp_path, capsys):
         == 2
     )
     assert "--endpoint chat sends text, which needs a tokenizer" in capsys.readouterr().err
+
+
+def test_a_think_time_pauses_each_session_between_a_reply_and_its_next_turn(tmp_path):
+    fake = FakeOpenAI()
+    options = ["--dataset", "multi-turn-ids", "--mt-num-sessions", "2", "--mt-turns", "3",
+               "--mt-user-len", "5", "--mt-output-len", "2", "--think-time-s", "0.2"]  # fmt: skip
+    with serving(fake) as url:
+        status, result = bench(url, tmp_path / "r.json", *options)
+    assert status == 0 and result.summary.completed == 6
+    assert result.arguments["think_time_s"] == 0.2
+    by_turn = {(r.session_id, r.turn_index): r for r in result.records}
+    for session in range(2):
+        for turn in (1, 2):
+            before, after = by_turn[(session, turn - 1)], by_turn[(session, turn)]
+            assert before.e2e_s is not None
+            assert after.start_s - (before.start_s + before.e2e_s) >= 0.2  # a sleep never ends early
