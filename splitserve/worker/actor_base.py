@@ -10,7 +10,6 @@ import dataclasses
 import logging
 import os
 import socket
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,18 +19,6 @@ import grpc
 from splitserve.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
-
-# The GIL's switch interval in a worker process. The engine thread gives the GIL up around every
-# torch op and must win it back from the gRPC, state-transfer and publisher threads; with Python's
-# default (5 ms) it can wait that long each time another thread holds it. Measured on the cluster
-# multi-turn benchmark (docs/PERFORMANCE.md section 9), quiet 2-core machine, two alternating pairs:
-# TTFT p50 of cached turns 78-81 -> 60-69 ms and of uncached ones 162-173 -> 137-154 ms at 0.5 ms.
-GIL_SWITCH_INTERVAL_S = 0.0005
-
-
-def prefer_the_engine_thread() -> None:
-    """Shorten this process's GIL switch interval (see GIL_SWITCH_INTERVAL_S); never lengthen it."""
-    sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
 
 
 class WorkerActorBase:
@@ -53,7 +40,6 @@ class WorkerActorBase:
         from splitserve.engine.llm_engine import LLMEngine
         from splitserve.rpc import start_server
 
-        prefer_the_engine_thread()
         self.loop = EngineLoop(LLMEngine(self.engine_config), name=f"{self.role}-engine")
         self._server, self.address, _ = start_server(self.register_services(), host, port)
         logger.info("%s %s serving on %s", self.role, self.worker_id, self.address)
