@@ -104,13 +104,28 @@ def results(cluster: ClusterHandle, prompts: list[list[int]]) -> list[list[int] 
     return asyncio.run(_all_at_once(url, prompts))
 
 
+def _metric_lines(url: str, prefix: str) -> list[tuple[str, float]]:
+    """Each exposition line of the gateway's /metrics starting with `prefix`: (line, value)."""
+    lines = httpx.get(f"{url}/metrics", timeout=30).text.splitlines()
+    return [(line, float(line.rsplit(" ", 1)[1])) for line in lines if line.startswith(prefix)]
+
+
 def _refusals(url: str) -> dict[str, float]:
-    name = "splitserve_admission_refusals_total{"
     return {
-        line.split('reason="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines()
-        if line.startswith(name)
+        line.split('reason="', 1)[1].split('"', 1)[0]: value
+        for line, value in _metric_lines(url, "splitserve_admission_refusals_total{")
     }
+
+
+def _num_waited_over_1ms(url: str) -> float:
+    """Requests the admission queue held more than 1 ms (its wait histogram: count - le=0.001)."""
+    (count,) = [v for _, v in _metric_lines(url, "splitserve_admission_queue_seconds_count")]
+    (quick,) = [
+        v
+        for line, v in _metric_lines(url, "splitserve_admission_queue_seconds_bucket")
+        if 'le="0.001"' in line
+    ]
+    return count - quick
 
 
 def test_every_one_of_100_concurrent_streams_is_answered_in_full(results: list[list[int] | str]) -> None:
@@ -127,6 +142,8 @@ def test_the_surplus_queued_rather_than_being_refused(
     assert url
     refused = {reason: n for reason, n in _refusals(url).items() if n}
     assert not refused, f"the admission queue refused requests: {refused}"
+    # three times the slots arrived at once: the surplus did wait in the queue
+    assert _num_waited_over_1ms(url) >= NUM_REQUESTS - DECODE_SLOTS
 
 
 def test_every_stream_equals_the_offline_engine(
