@@ -5,7 +5,8 @@ reads it there), so pieces go through its shared-memory arena; a decode's own st
 node (two hops, when the gateway knows no stores) gets bytes. The engine thread only queues each
 piece it hands over (a copy of one prefill chunk's MLA rows of one layer, or a KDA state after
 the last chunk); pieces under `HOLD_BYTES` in all wait and go together (one wakeup of the sending
-thread, one message), and the put's call was opened when the previous put was acknowledged. A piece on the CPU goes to `write_state` (the sending thread copies it once
+thread, one message), and the put's call was opened when the previous put was acknowledged. A
+piece on the CPU goes to `write_state` (the sending thread copies it once
 into the arena, or cuts and sends it as bytes); a piece on a device goes as a lazy `encode`, whose
 copy to the host runs on the sending thread. Checksums are computed there too, so the engine
 never waits on the network, on a checksum or on a device sync. `finish` seals the key and waits

@@ -152,8 +152,9 @@ class PrefixPublisher:
         reads them in place); else as bytes over gRPC."""
         num_bytes = sum(state.num_bytes for state in prefix.states)
         # warm_next: the publisher puts after every retained prefix, so each put starts on a call
-        # opened ahead (no call start-up, no new request-consuming thread per put); hold_bytes:
-        # the pieces, written back to back, go in as few messages as their size allows
+        # (and gRPC's request-consuming thread) opened when the previous put was acknowledged,
+        # not at its own start; hold_bytes: the pieces, written back to back, go in as few
+        # messages as their size allows
         put = self.client.open_put(
             key,
             owner=OWNER,
