@@ -31,6 +31,7 @@ from pathlib import Path
 from splitserve.state.errors import StoreFullError
 from splitserve.state.mapping import map_file
 from splitserve.state.transport import TransportEndpoint, TransportServer, check_engine, open_server
+from state_store.arena_pool import RegionPool
 from state_store.tier_directory import ClaimedDirectory, reclaim_abandoned
 
 DEFAULT_ROOT = "/dev/shm/splitserve-arenas"
@@ -65,11 +66,9 @@ class Arena:
         self.directory = self._claim.path
         self.probe_token = secrets.token_bytes(16)
         (self.directory / PROBE_NAME).write_bytes(self.probe_token)
-        self.pool_bytes = pool_bytes
         self._names = itertools.count()
         self._lock = threading.Lock()
-        self._pool: list[Region] = []  # freed regions kept for reuse (their pages are resident)
-        self._pooled_bytes = 0
+        self._pool = RegionPool(pool_bytes)  # freed regions kept for reuse (their pages are resident)
         self.transfer_engine = transfer_engine
         self._transport: TransportServer | None = None
         self._mapped: dict[str, memoryview] = {}  # every region mapped now (held or pooled)
@@ -113,11 +112,8 @@ class Arena:
         if num_bytes < 0:
             raise ValueError(f"a region needs >= 0 bytes (got {num_bytes})")
         with self._lock:
-            fits = [r for r in self._pool if num_bytes <= r.num_bytes <= 2 * num_bytes]
-            if fits:  # a freed region's pages are already there: no zeroing, no faults
-                region = min(fits, key=lambda r: r.num_bytes)
-                self._pool.remove(region)
-                self._pooled_bytes -= region.num_bytes
+            region = self._pool.take(num_bytes)
+            if region is not None:  # a freed region's pages are already there: no zeroing, no faults
                 return region
             name = f"{next(self._names):012d}.region"
         path = self.directory / name
@@ -144,9 +140,7 @@ class Arena:
         others still hold stay valid until dropped). Either way its key's readers must be done:
         a reused region is written again."""
         with self._lock:
-            if region.num_bytes and self._pooled_bytes + region.num_bytes <= self.pool_bytes:
-                self._pool.append(region)
-                self._pooled_bytes += region.num_bytes
+            if self._pool.add(region):
                 return
             self._mapped.pop(region.name, None)
             address = self._addresses.pop(region.name, None)
@@ -155,9 +149,14 @@ class Arena:
         (self.directory / region.name).unlink(missing_ok=True)
 
     @property
+    def pool_bytes(self) -> int:
+        """The most bytes of freed regions kept for reuse."""
+        return self._pool.capacity_bytes
+
+    @property
     def pooled_bytes(self) -> int:
         with self._lock:
-            return self._pooled_bytes
+            return self._pool.num_bytes
 
     def close(self) -> None:
         with self._lock:
