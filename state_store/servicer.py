@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -196,7 +197,12 @@ class StateStoreServicer(store_pb2_grpc.StateStoreServicer):
             info = self.store.lookup(found.key) if found.key is not None else None
             if info is None:
                 return store_pb2.LookupResponse(found=False)
-            return key_info_to_proto(info, found.num_units, found.num_tokens)
+            # Without its chunks' metadata (store.proto: for key queries): a prefix hit's readers
+            # want its key and extent, and encoding a long history's hundreds of chunk metas cost
+            # more than the rest of the call.
+            reply = key_info_to_proto(dataclasses.replace(info, chunks=()), found.num_units, found.num_tokens)
+            reply.num_layers = info.num_layers
+            return reply
         return key_info_to_proto(self.store.lookup(request.key))
 
     async def Register(
