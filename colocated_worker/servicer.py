@@ -53,7 +53,10 @@ class ColocatedServicer(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.Decode
     def Reserve(
         self, request: decode_pb2.ReserveRequest, context: grpc.ServicerContext
     ) -> decode_pb2.ReserveResponse:
-        has_room = self.loop.call(lambda e: e.scheduler.num_seqs < e.config.max_num_seqs).result(timeout=30)
+        # A hint, from the engine's last pass (no wait behind a long step): Prefill adds the
+        # request either way, and the engine queues it if the room went meanwhile.
+        snap = self.loop.snapshot()
+        has_room = snap.num_running + snap.num_reserved < snap.max_num_seqs
         if not has_room:
             return decode_pb2.ReserveResponse(
                 accepted=False, reject_reason="max_num_seqs requests already running"
@@ -141,9 +144,9 @@ class ColocatedServicer(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.Decode
     def Stats(
         self, request: decode_pb2.DecodeStatsRequest, context: grpc.ServicerContext
     ) -> decode_pb2.DecodeStats:
-        return self.loop.call(decode_stats).result(timeout=10)
+        return decode_stats(self.loop.snapshot())  # the last pass's: no wait behind a step
 
     def CacheReport(
         self, request: prefill_pb2.CacheReportRequest, context: grpc.ServicerContext
     ) -> prefill_pb2.PrefixCacheReport:
-        return self.loop.call(self._cache_reporter.take).result(timeout=10)
+        return self._cache_reporter.report(self.loop)  # no wait behind a step

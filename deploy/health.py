@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 import ray
 
@@ -17,13 +18,21 @@ from splitserve.config import HealthConfig
 
 logger = logging.getLogger("splitserve.deploy")
 
+# A worker's stats() answers from its engine's last snapshot at once, even during a step, so a
+# stuck engine no longer shows as a probe timeout: its `stats_age_s` (how long the step or command
+# in progress has run) shows it. Legitimate steps are long too (a prefill chunk deep into a 32k
+# prompt took 17 s on a loaded CPU), so the limit is far past the probe's own timeout.
+STUCK_AFTER_TIMEOUTS = 30
+
 
 class HealthWatcher:
     """Every `interval_s` probes each actor (`health()`, then `stats()`), each call allowed
-    `timeout_s`; an actor that is dead, fails a call or does not answer in time is killed and
-    started again in its own place, at most `max_restarts` times within `restart_window_s`
-    (then it is left down, "given up"), and the gateway hears the new addresses. A probe's answers become the member's
-    `stats`. Restarts go stores first, then workers, then the gateway.
+    `timeout_s`; an actor that is dead, fails a call or does not answer in time, or a worker
+    whose engine is stuck (`stats_age_s` over `STUCK_AFTER_TIMEOUTS` x `timeout_s`: one step or
+    command has run that long), is killed and started again in its own place, at most
+    `max_restarts` times within `restart_window_s` (then it is left down, "given up"), and the
+    gateway hears the new addresses. A probe's answers become the member's `stats`. Restarts go
+    stores first, then workers, then the gateway.
     """
 
     def __init__(
@@ -71,6 +80,9 @@ class HealthWatcher:
                 member.stats = dict(answer)
             if member.kind != "gateway":
                 member.stats = dict(await call(member.handle.stats.remote(), timeout_s) or {})
+                stuck = stuck_engine(member.stats, timeout_s)
+                if stuck is not None:
+                    return stuck
         except asyncio.TimeoutError:
             return f"no answer within {timeout_s:g} s"
         except ray.exceptions.RayActorError:
@@ -102,3 +114,14 @@ class HealthWatcher:
             self._starter.kill(member)
             member.healthy, member.error = False, f"{reason}; restart failed: {cause(exc)}"
             logger.error("%s %d: %s", member.kind, member.index, member.error)
+
+
+def stuck_engine(stats: dict[str, Any], timeout_s: float) -> str | None:
+    """Why a worker whose `stats()` said this has a stuck engine, or None if it does not."""
+    age_s, limit_s = stats.get("stats_age_s"), STUCK_AFTER_TIMEOUTS * timeout_s
+    if isinstance(age_s, int | float) and age_s > limit_s:
+        return (
+            f"engine stuck: the step or command in progress has run {age_s:.0f} s, over {limit_s:g} s "
+            f"({STUCK_AFTER_TIMEOUTS} x health.timeout_s)"
+        )
+    return None

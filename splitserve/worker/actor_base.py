@@ -52,24 +52,26 @@ class WorkerActorBase:
         return self.loop is not None and self.loop.alive
 
     def stats(self) -> dict[str, Any]:
-        def read(engine) -> dict[str, Any]:  # type: ignore[no-untyped-def]
-            sched = engine.scheduler
-            return {
-                "role": self.role,
-                "address": self.address,
-                "num_waiting": len(sched.waiting),
-                "num_running": len(sched.running),
-                "num_reserved": len(sched.reserved),
-                "num_free_kv_blocks": sched.blocks.num_free_blocks,
-                "num_total_kv_blocks": engine.plan.num_blocks,
-                "num_free_state_slots": sched.slots.num_free_slots,
-                "num_total_state_slots": engine.plan.num_slots,
-                "num_preemptions": sched.num_preemptions,
-                # swap preemption (engine/swap_space.py; zeros when preempting by recompute)
-                **{f"swap_{k}": v for k, v in dataclasses.asdict(engine.swap_stats()).items()},
-            }
-
-        return self.loop.call(read).result(timeout=30)
+        """The engine's load as of its last step, at once, even while a long step runs (the
+        engine loop's snapshot). `stats_age_s` says how far behind the engine it may be: 0 while
+        the engine waits for work, else how long its step in progress has run; the controller
+        restarts a worker whose age passes its stuck limit (deploy/health.py)."""
+        snap = self.loop.snapshot()
+        return {
+            "role": self.role,
+            "address": self.address,
+            "stats_age_s": self.loop.snapshot_age_s(),
+            "num_waiting": snap.num_waiting,
+            "num_running": snap.num_running,
+            "num_reserved": snap.num_reserved,
+            "num_free_kv_blocks": snap.num_free_kv_blocks,
+            "num_total_kv_blocks": snap.num_total_kv_blocks,
+            "num_free_state_slots": snap.num_free_state_slots,
+            "num_total_state_slots": snap.num_total_state_slots,
+            "num_preemptions": snap.num_preemptions,
+            # swap preemption (engine/swap_space.py; zeros when preempting by recompute)
+            **{f"swap_{k}": v for k, v in dataclasses.asdict(snap.swap).items()},
+        }
 
     def shutdown(self, drain_timeout_s: float = 0.0) -> int:
         """Stop serving. With `drain_timeout_s` (a scale-down: the gateway already routes
@@ -87,17 +89,14 @@ class WorkerActorBase:
         return num_held
 
     def _drain(self, timeout_s: float) -> int:
-        """Poll the engine (20 times a second) until it holds no request or `timeout_s` passes."""
-        if self.loop is None or not self.loop.alive:
+        """Poll the engine's snapshot (20 times a second) until it holds no request or
+        `timeout_s` passes (a step in progress delays neither the poll nor the deadline)."""
+        if self.loop is None:
             return 0
         deadline_s = time.monotonic() + timeout_s
-        while True:
-            num_held = self.loop.call(_num_held_requests).result(timeout=30)
+        while self.loop.alive:  # a dead engine holds nothing that can still finish
+            num_held = self.loop.snapshot().num_held_requests
             if num_held == 0 or time.monotonic() >= deadline_s:
-                return int(num_held)
+                return num_held
             time.sleep(0.05)
-
-
-def _num_held_requests(engine: Any) -> int:
-    sched = engine.scheduler
-    return len(sched.waiting) + len(sched.running) + len(sched.reserved)
+        return 0

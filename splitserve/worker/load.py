@@ -7,18 +7,18 @@ from typing import TYPE_CHECKING
 from splitserve.v1 import decode_pb2
 
 if TYPE_CHECKING:
-    from splitserve.engine.llm_engine import LLMEngine
+    from splitserve.engine.engine_snapshot import EngineSnapshot
 
 
-def decode_stats(engine: LLMEngine) -> decode_pb2.DecodeStats:
-    """Room as the router reads it: free KV blocks and state slots, running and reserved seqs."""
-    sched = engine.scheduler
+def decode_stats(snapshot: EngineSnapshot) -> decode_pb2.DecodeStats:
+    """Room as the router reads it: free KV blocks and state slots, running and reserved seqs,
+    from the engine loop's latest snapshot (`EngineLoop.snapshot()`: no wait for a step)."""
     return decode_pb2.DecodeStats(
-        num_running_seqs=len(sched.running),
-        num_reserved=len(sched.reserved),
-        max_num_seqs=engine.config.max_num_seqs,
-        num_free_kv_blocks=sched.blocks.num_free_blocks,
-        num_total_kv_blocks=engine.plan.num_blocks,
-        num_free_state_slots=sched.slots.num_free_slots,
-        num_total_state_slots=engine.plan.num_slots,
+        num_running_seqs=snapshot.num_running,
+        num_reserved=snapshot.num_reserved,
+        max_num_seqs=snapshot.max_num_seqs,
+        num_free_kv_blocks=snapshot.num_free_kv_blocks,
+        num_total_kv_blocks=snapshot.num_total_kv_blocks,
+        num_free_state_slots=snapshot.num_free_state_slots,
+        num_total_state_slots=snapshot.num_total_state_slots,
     )
