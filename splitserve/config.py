@@ -264,9 +264,9 @@ class HealthConfig(_Section):
     workers a scale-down removes, requests in flight get `drain_timeout_s` to finish."""
 
     interval_s: float = Field(default=5, gt=0)
-    # stats() waits behind the engine's step in progress: a prefill chunk deep into a 32k-token
-    # prompt takes over 10 s on a loaded CPU, and a restart kills the request it is prefilling
-    timeout_s: float = Field(default=60, gt=0)
+    # stats() answers from the engine's last snapshot, not behind its step; a stuck engine shows
+    # as a step running past 30 x timeout_s (deploy/health.py)
+    timeout_s: float = Field(default=10, gt=0)
     max_restarts: int = Field(default=3, ge=0)
     # restarts older than this no longer count against max_restarts (0: every restart ever counts),
     # so a worker that crashes once a day is not given up on after three days
