@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from frontend.app import build_app
-from frontend.router import LeastLoadRouter
+from frontend.router import make_router
 from frontend.server import GatewayServer
 from frontend.settings import GatewaySettings
 
@@ -26,7 +26,8 @@ class GatewayActor:
         decode_addresses: Sequence[str] = (),
     ) -> None:
         self.settings = settings if isinstance(settings, GatewaySettings) else GatewaySettings(**settings)
-        self.router = LeastLoadRouter(prefill_addresses, decode_addresses)
+        self.router = make_router(self.settings.router_policy, self.settings.prefix_unit)
+        self.router.update_workers(list(prefill_addresses), list(decode_addresses))
         self.app = build_app(self.settings, self.settings.model_path, self.router)
         self._server: GatewayServer | None = None
 

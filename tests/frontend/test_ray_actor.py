@@ -9,7 +9,9 @@ import httpx
 import pytest
 import ray
 
-from frontend.actor import remote_gateway_actor
+from frontend.actor import GatewayActor, remote_gateway_actor
+from frontend.prefix_router import PrefixAwareRouter
+from frontend.router import LeastLoadRouter, RoundRobinRouter
 from frontend.settings import GatewaySettings
 from tests.frontend.conftest import MODEL
 from tests.frontend.fakes import FakeDecode, FakePrefill, FakeWorkerServer
@@ -53,3 +55,15 @@ def test_gateway_actor_serves_without_torch_or_gpu(ray_local, tiny_model_path, s
         ray.kill(actor)
         for server in servers:
             server.stop()
+
+
+@pytest.mark.parametrize(
+    ("policy", "router_class"),
+    [("prefix_aware", PrefixAwareRouter), ("least_load", LeastLoadRouter), ("round_robin", RoundRobinRouter)],
+)
+def test_the_gateway_actor_routes_by_router_policy(policy: str, router_class: type) -> None:
+    settings = GatewaySettings(model_name=MODEL, router_policy=policy, prefix_unit=32)
+    actor = GatewayActor(settings, ["10.0.0.1:1"], ["10.0.0.2:1"])
+    assert type(actor.router) is router_class
+    assert actor.router.prefill_addresses == ("10.0.0.1:1",)
+    assert actor.router.decode_addresses == ("10.0.0.2:1",)
