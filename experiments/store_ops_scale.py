@@ -28,6 +28,7 @@ pin+unpin carry both; its put's walk is the old one. Figures only: nothing here 
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import statistics
 import tempfile
@@ -125,7 +126,7 @@ def measure_tier(num_pinned: int, num_calls: int, before: bool) -> dict[str, flo
     for n in range(NUM_UNPINNED):
         tier.put(("kept", n), data)
     rng = random.Random(num_pinned)
-    put_us = [_thread_cpu_us(lambda n=n: tier.put(("new", n), data)) for n in range(num_calls)]
+    put_us = [_thread_cpu_us(functools.partial(tier.put, ("new", n), data)) for n in range(num_calls)]
     assert tier.stats().num_objects == num_pinned + NUM_UNPINNED  # each put evicted one
     get_us = [
         _thread_cpu_us(lambda: tier.get(("pinned", rng.randrange(num_pinned)))) for _ in range(num_calls)

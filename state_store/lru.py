@@ -70,7 +70,8 @@ class UnpinnedOrder:
         self, num_bytes: int, sizes: Mapping[Hashable, int], skip: Hashable
     ) -> tuple[list[Hashable], int]:
         """The oldest objects but `skip`, in order, until their `sizes` add up to `num_bytes`
-        (all of them if they never do), and what they add up to. Changes nothing."""
+        (all of them if they never do), and what they add up to. Changes nothing but dropping the
+        stale heap entries it meets."""
         chosen: list[Hashable] = []
         total_bytes = 0
         recent = iter(self._recent.items())

@@ -12,6 +12,7 @@ import pytest
 
 from splitserve.state.chunk import ChunkId, StateKind
 from splitserve.state.errors import TierFullError
+from state_store import lru
 from state_store.lru import COMPACT_SLACK, LruIndex
 
 
@@ -79,8 +80,12 @@ def _outcome(query, *args):
         return ("TierFullError", str(e))
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_random_operations_give_the_reference_rules_victims_errors_and_counts(seed: int) -> None:
+@pytest.mark.parametrize("compact_slack", [COMPACT_SLACK, 0])  # 0: the heap is rebuilt often
+@pytest.mark.parametrize("seed", range(8))
+def test_random_operations_give_the_reference_rules_victims_errors_and_counts(
+    seed: int, compact_slack: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(lru, "COMPACT_SLACK", compact_slack)
     rng = random.Random(seed)
     capacity_bytes = rng.choice([50, 400, 3000])
     index, reference = LruIndex("test", capacity_bytes), ReferenceIndex(capacity_bytes)
