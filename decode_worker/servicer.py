@@ -16,7 +16,7 @@ from decode_worker.replay_publisher import ReplayStorePublisher
 from decode_worker.resume import KeptStreams, reserve_room
 from decode_worker.state_reader import StateReader
 from splitserve.engine.engine_loop import EngineLoop
-from splitserve.engine.llm_engine import RequestUpdate
+from splitserve.engine.llm_engine import LLMEngine, RequestUpdate
 from splitserve.rpc import abort
 from splitserve.state.client import StateStoreClient
 from splitserve.state.errors import CorruptStateError, StateStoreError
@@ -197,20 +197,41 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def _decode_whole(
         self, request: decode_pb2.DecodeRequest, context: grpc.ServicerContext
     ) -> Iterator[decode_pb2.TokenDelta]:
-        """A Decode with no state (`prefill.fallback: decode_local`, the prefill pool is empty):
-        this engine computes the prompt itself and streams every token, the first one included.
-        After a decode failover it computes prompt + `output_token_ids` and streams from there."""
+        """A Decode with no state: this engine computes the prompt itself and streams every token,
+        the first one included (its delta says how many prompt tokens its prefix cache served).
+        Two callers: a local prefill (`max_uncached_tokens` > 0: the gateway believes this
+        worker's cache holds all but a short suffix of the prompt; when it holds less, the answer
+        is FAILED_PRECONDITION and nothing starts), and `prefill.fallback: decode_local` (the
+        prefill pool is empty; no limit). After a decode failover it computes prompt +
+        `output_token_ids` and streams from there."""
         rid, prompt, sent = request.request_id, list(request.prompt_token_ids), list(request.output_token_ids)
         params = sampling_params_or_abort(request.sampling_params, context)
+        chain = list(request.prefix_hashes) or None  # None: the engine names the prompt itself
+        limit = request.max_uncached_tokens
         updates: queue.Queue[RequestUpdate] = queue.Queue()
         self.loop.watch(rid, updates.put)
+
+        def add(engine: LLMEngine) -> int:
+            """Adds the request unless too much of its prompt is uncached; the uncached tokens.
+            One trip to the engine thread: the hit cannot change between the check and the add."""
+            uncached = len(prompt) - engine.num_cached_prompt_tokens(prompt, chain) if limit else 0
+            if uncached <= limit:
+                engine.add_request(rid, prompt, params, output_token_ids=sent, prefix_hashes=chain)
+            return uncached
+
         try:
-            self.loop.call(lambda e: e.add_request(rid, prompt, params, output_token_ids=sent)).result(
-                timeout=30
-            )
+            uncached = self.loop.call(add).result(timeout=30)
         except ValueError as exc:
             self.loop.unwatch(rid)
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if uncached > limit:
+            self.loop.unwatch(rid)
+            abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{uncached} of the prompt's {len(prompt)} tokens are not in this worker's prefix "
+                f"cache (a local prefill takes at most {limit}): prefill it on a prefill worker",
+            )
         finished = threading.Event()
         context.add_callback(lambda: None if finished.is_set() else self._abort_engine(rid))
         yield from stream_deltas(rid, updates, finished.set, context, num_generated=len(sent))

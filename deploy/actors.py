@@ -60,6 +60,7 @@ def gateway_settings_kwargs(config: ClusterConfig, model_path: str | None) -> di
         "enable_prefix_caching": config.cache.enable_prefix_caching,
         "prefix_unit": config.cache.prefix_unit,
         "router_policy": config.router.policy,
+        "local_prefill_max_tokens": config.router.local_prefill_max_tokens,
         "max_queued_requests": config.gateway.max_queued_requests,
         "prefill_fallback": config.prefill.fallback,
         "decode_failover": config.decode.failover,

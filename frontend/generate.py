@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import anyio
+import grpc
 
 from frontend.clients import DecodeStream, WorkerClients
 from frontend.errors import GatewayError, over_capacity, unavailable
@@ -29,13 +30,15 @@ from frontend.prefix_metrics import PrefixMetrics
 from frontend.router import Router
 from frontend.settings import GatewaySettings
 from frontend.steps import OutputSteps, Step
-from splitserve.prefix_hash import prefix_hash_chain
+from splitserve.prefix_hash import grow_chain
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokenizer import Tokenizer
 from splitserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from splitserve.wire import FINISH_FROM_PROTO, decode_request, prefill_request, sampling_params_to_proto
 
 logger = logging.getLogger(__name__)
+
+FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION  # a decode worker refusing a local prefill
 
 
 @dataclass
@@ -52,10 +55,14 @@ class Pipeline:
 
     def prefix_hashes(self, prompt_ids: list[int]) -> list[bytes]:
         """The prompt's prefix chain, salted with the served model name; empty with caching off."""
+        return self.grown_prefix_hashes([], prompt_ids)
+
+    def grown_prefix_hashes(self, chain: list[bytes], token_ids: list[int]) -> list[bytes]:
+        """`chain` (of the first units of `token_ids`) grown over all of them; empty with caching off."""
         if not self.settings.enable_prefix_caching:
             return []
         salt = self.settings.model_name.encode()
-        return prefix_hash_chain(prompt_ids, self.settings.prefix_unit, salt)
+        return grow_chain(chain, token_ids, self.settings.prefix_unit, salt)
 
 
 class Generation:
@@ -89,6 +96,7 @@ class Generation:
         self._resume_from: decode_pb2.ResumeFrom | None = None  # where the decode worker keeps our state
         self.resume_method = METHOD_REPREFILL
         self._last_token_s = arrival_s
+        self._has_first_token = False  # whether a token reached this gateway (ITL counts gaps after it)
         self._transfer_s = 0.0
         self._released = False
         pipeline.metrics.running.labels(pipeline.metrics.model_name).inc()
@@ -114,6 +122,11 @@ class Generation:
             raise unavailable("no decode workers are available; try again later")
         if prefill_address is None:
             return await self._start_on_decode(decode_candidates[0])
+        local = self._local_prefill_target(decode_candidates)
+        if local is not None:
+            step = await self._start_local(local)
+            if step is not None:
+                return step
         source_store = self.p.router.store_of(prefill_address)
         if self.params.max_tokens == 1:
             # One token is all the prefill makes: no decode room to reserve, nor an Abort to free it.
@@ -135,7 +148,7 @@ class Generation:
         now = time.monotonic()
         if not self._resumed:  # after a failover this is not the request's first token
             self.p.metrics.ttft.labels(self.p.metrics.model_name).observe(now - self.arrival_s)
-        self._last_token_s = now
+        self._last_token_s, self._has_first_token = now, True
         if step.finish_reason is None:
             self._open_decode(response)
         else:
@@ -156,11 +169,15 @@ class Generation:
         """One delta of the decode stream as a step (metrics observed, stop strings applied)."""
         if delta.HasField("resume_from"):
             self._resume_from = delta.resume_from
+        if delta.num_cached_tokens:  # the first delta of a Decode that computed the prompt
+            self.num_cached_tokens = delta.num_cached_tokens
         now = time.monotonic()
         if delta.token_ids:
-            gap_s = (now - self._last_token_s) / len(delta.token_ids)
-            for _ in delta.token_ids:
-                self.p.metrics.itl.labels(self.p.metrics.model_name).observe(gap_s)
+            if self._has_first_token:  # a Decode without state streams the first token too: no gap
+                gap_s = (now - self._last_token_s) / len(delta.token_ids)
+                for _ in delta.token_ids:
+                    self.p.metrics.itl.labels(self.p.metrics.model_name).observe(gap_s)
+            self._has_first_token = True
             self._last_token_s = now
         if delta.HasField("timing") and (delta.timing.queue_s or delta.timing.state_wait_s):
             self.p.metrics.queue.labels(self.p.metrics.model_name, "decode").observe(delta.timing.queue_s)
@@ -176,8 +193,22 @@ class Generation:
         if step.finish_reason is not None:
             if delta.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
                 await self._release_decode()  # a stop string ended it here, not on the worker
+            else:
+                self._note_retained_end()
             self._stream = None
         return step
+
+    def _note_retained_end(self) -> None:
+        """The decode worker finished the request and keeps everything it computed (prompt and
+        reply but the last token) as a prefix hit: the router learns it, so the conversation's
+        next turn, which re-sends it, can be prefilled there (`router.local_prefill_max_tokens`)."""
+        if not self.p.settings.local_prefill_max_tokens or self._decode_address is None:
+            return
+        history = self.prompt_ids + self._output.received_ids
+        num_kept = len(history) - 1  # the last token was sampled, never computed
+        chain = self.p.grown_prefix_hashes(self.prefix_hashes, history[:num_kept])
+        if chain:
+            self.p.router.on_decode_retained(self._decode_address, chain[-1], num_kept)
 
     async def resume_elsewhere(self) -> Step:
         """Decode failover: drop the lost stream (its worker is gone: nothing to abort there) and
@@ -263,18 +294,67 @@ class Generation:
         self.p.metrics.prefill_fallbacks.labels(self.p.metrics.model_name, policy).inc()
         if policy != "decode_local":
             raise unavailable("the prefill pool has no worker (prefill.fallback: fail); retry later")
+        return await self._decode_whole(address, max_uncached_tokens=0)
+
+    def _local_prefill_target(self, candidates: list[str]) -> str | None:
+        """The decode worker to prefill this prompt itself (`router.local_prefill_max_tokens`):
+        among the candidates believed to have room, the one believed to hold the longest prefix
+        of it, if at most the limit of its tokens is left to compute there. None: a prefill
+        worker computes it (the limit is 0, a failover re-prefill, or a colocated pool)."""
+        limit = self.p.settings.local_prefill_max_tokens
+        if not limit or self._resumed:
+            return None
+        if any(address in self.p.router.prefill_addresses for address in candidates):
+            return None
+        matched = self.p.router.decode_prefix_match(self.prefix_hashes)
+        num_prompt_tokens = len(self.prompt_ids)
+        fits = [
+            address
+            for address in candidates
+            if num_prompt_tokens - matched.get(address, 0) <= limit and self.p.router.decode_has_room(address)
+        ]
+        return max(fits, key=lambda address: matched.get(address, 0), default=None)
+
+    async def _start_local(self, address: str) -> Step | None:
+        """A local prefill on decode worker `address`: its first step, or None when the worker
+        holds less of the prompt than believed (it started nothing; counted) and a prefill
+        worker must compute it."""
+        outcomes = self.p.metrics.local_prefills
+        try:
+            step = await self._decode_whole(address, self.p.settings.local_prefill_max_tokens)
+        except GatewayError as exc:
+            cause = exc.__cause__
+            if not (isinstance(cause, grpc.aio.AioRpcError) and cause.code() == FAILED_PRECONDITION):
+                raise
+            self._stream, self._decode_address = None, None  # nothing was started there
+            self.p.router.on_local_prefill_refused(address, self.prefix_hashes)
+            outcomes.labels(self.p.metrics.model_name, "refused").inc()
+            logger.debug("request %s: no local prefill on %s: %s", self.request_id, address, exc.message)
+            return None
+        outcomes.labels(self.p.metrics.model_name, "served").inc()
+        return step
+
+    async def _decode_whole(self, address: str, max_uncached_tokens: int) -> Step:
+        """A Decode without state on `address`: the worker computes the prompt (all but at most
+        `max_uncached_tokens` of it cached there; 0: no limit) and streams every token; the first
+        step."""
         request = decode_pb2.DecodeRequest(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_ids,
             sampling_params=sampling_params_to_proto(self.params),
             output_token_ids=self._resumed,  # after a decode failover: it continues from these
+            max_uncached_tokens=max_uncached_tokens,
+            prefix_hashes=self.prefix_hashes,
         )
         self._decode_address = address
+        self.p.router.on_decode_reserved(address)  # it takes a slot there, as a reservation would
         self._stream = self.p.clients.decode(address, request, self._remaining_s())
         step = await self.next()
         self._last_token_s = now = time.monotonic()
         if not self._resumed:
             self.p.metrics.ttft.labels(self.p.metrics.model_name).observe(now - self.arrival_s)
+            if self.p.prefix_metrics is not None and self._prefill_address is None:
+                self.p.prefix_metrics.observe_prefill(len(self.prompt_ids), self.num_cached_tokens)
         return step
 
     async def _reserve_on(

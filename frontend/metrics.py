@@ -83,6 +83,12 @@ class GatewayMetrics:
             "on their decode worker; fail: refused with 503)",
             "policy",
         )
+        self.local_prefills = counter(
+            "splitserve_local_prefills",
+            "Prompts offered to a decode worker to prefill itself (router.local_prefill_max_tokens), "
+            "by outcome (served; refused: its cache held less than believed, sent to a prefill worker)",
+            "outcome",
+        )
         self.decode_failovers = counter(
             "splitserve_decode_failovers",
             "Streams whose decode worker was lost, by outcome (resumed, failed, disabled, exhausted) "

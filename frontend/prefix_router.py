@@ -19,7 +19,10 @@ class PrefixAwareRouter(LeastLoadRouter):
     choice also runs the prefill) with room is ranked by the same prefill cost first.
 
     Owns a `PrefixIndex` (bounded, approximate), fed by `on_prefix_sent` and the workers' cache
-    events; a worker leaving the prefill pool is dropped from it.
+    events; a worker leaving the prefill pool is dropped from it. A second one, `decode_index`,
+    holds the request ends the decode workers keep when a request finishes (for local prefill:
+    `router.local_prefill_max_tokens`); a worker that refuses a local prefill loses the entries
+    of that prompt's chain, one leaving the decode pool all of its own.
     """
 
     def __init__(
@@ -34,12 +37,14 @@ class PrefixAwareRouter(LeastLoadRouter):
             raise ValueError(f"prefix_unit must be at least 1 token (got {prefix_unit})")
         self.prefix_unit = prefix_unit
         self.index = PrefixIndex(max_index_entries)
+        self.decode_index = PrefixIndex(max_index_entries)
         super().__init__(prefill_addresses, decode_addresses)
 
     def update_workers(self, prefill_addresses: Sequence[str], decode_addresses: Sequence[str]) -> None:
         super().update_workers(prefill_addresses, decode_addresses)
         with self._lock:
             self.index.keep_only(self._prefill)
+            self.decode_index.keep_only(self._decode)
 
     def pick_prefill(self, num_prompt_tokens: int, prefix_hashes: Sequence[bytes] = ()) -> str | None:
         with self._lock:
@@ -84,3 +89,16 @@ class PrefixAwareRouter(LeastLoadRouter):
                 return  # not (or no longer) a prefill worker: nothing to route by
             self.index.observe_instance(address, instance_id)
             self.index.apply(address, events)
+
+    def decode_prefix_match(self, prefix_hashes: Sequence[bytes]) -> dict[str, int]:
+        with self._lock:
+            return self.decode_index.match(prefix_hashes) if prefix_hashes else {}
+
+    def on_decode_retained(self, address: str, block_hash: bytes, num_tokens: int) -> None:
+        with self._lock:
+            if address in self._reserved_since_stats:  # still in the decode pool
+                self.decode_index.apply(address, [CacheEvent(True, block_hash, num_tokens)])
+
+    def on_local_prefill_refused(self, address: str, prefix_hashes: Sequence[bytes]) -> None:
+        with self._lock:
+            self.decode_index.apply(address, [CacheEvent(False, h, 0) for h in prefix_hashes])

@@ -111,6 +111,18 @@ class Router(ABC):
     ) -> None:
         """The prefix events prefill worker `address` (engine `instance_id`) reported."""
 
+    def decode_prefix_match(self, prefix_hashes: Sequence[bytes]) -> dict[str, int]:
+        """Prompt tokens of the prefix `prefix_hashes` names each decode worker is believed to
+        hold as a usable hit (empty when this router does not track it)."""
+        return {}
+
+    def on_decode_retained(self, address: str, block_hash: bytes, num_tokens: int) -> None:  # noqa: B027
+        """Decode worker `address` finished a request and keeps its first `num_tokens` tokens
+        (whose deepest whole unit is named `block_hash`) as a usable hit."""
+
+    def on_local_prefill_refused(self, address: str, prefix_hashes: Sequence[bytes]) -> None:  # noqa: B027
+        """Decode worker `address` holds less of this prefix than `decode_prefix_match` said."""
+
 
 class LeastLoadRouter(Router):
     """Prefill: fewest outstanding prompt tokens sent by this gateway. Decode: most free room.

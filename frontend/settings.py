@@ -43,6 +43,9 @@ class GatewaySettings(BaseModel):
     router_policy: Literal["prefix_aware", "least_load", "round_robin"] = Field(
         "prefix_aware", description="how workers are picked (router.policy)"
     )
+    local_prefill_max_tokens: int = Field(
+        0, ge=0, description="uncached prompt tokens a decode worker may prefill itself (router.*)"
+    )
     max_queued_requests: int = Field(
         1024, ge=0, description="requests waiting for decode room; past it, 429 with Retry-After"
     )

@@ -9,12 +9,9 @@ from collections.abc import Sequence
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.prefix_cache.imported import ImportedPrefix
-from splitserve.engine.prefix_cache.match import find_hit
 from splitserve.engine.prefix_store.fetcher import PrefixFetcher, StoredMatch
 from splitserve.engine.prefix_store.publisher import PrefixPublisher
-from splitserve.engine.request import Request
 from splitserve.prefix_hash import prefix_hash_chain
-from splitserve.sampling_params import SamplingParams
 from splitserve.state.client import StateStoreClient
 
 LOOKUP_TIMEOUT_S = 5.0  # a store that does not answer a lookup in this long is skipped: compute instead
@@ -73,7 +70,7 @@ class PrefixReuse:
         self, engine: LLMEngine, found: StoredMatch, chain: list[bytes], prompt_token_ids: Sequence[int]
     ) -> bool:
         """Whether `found` saves enough over what `engine`'s own cache serves (engine thread)."""
-        return self.fetcher.worth_reading(found, local_hit_tokens(engine, chain, prompt_token_ids))
+        return self.fetcher.worth_reading(found, engine.num_cached_prompt_tokens(prompt_token_ids, chain))
 
     def read(self, found: StoredMatch, chain: list[bytes]) -> ImportedPrefix | None:
         """The stored state of `found`, whole, or None (counted; the prompt is computed)."""
@@ -109,15 +106,3 @@ class PrefixReuse:
                 self._clients[address] = StateStoreClient(address, timeout_s=LOOKUP_TIMEOUT_S)
             return self._clients[address]
 
-
-def local_hit_tokens(engine: LLMEngine, chain: list[bytes], prompt_token_ids: Sequence[int]) -> int:
-    """Prompt tokens the engine's own cache would serve this prompt now (engine thread; reads
-    the cache's index, moves nothing). The engine's admission finds the same hit (`find_hit`)."""
-    cache = engine.prefix_cache
-    if cache is None or len(prompt_token_ids) < 2:
-        return 0
-    probe = Request("__prefix_probe__", list(prompt_token_ids), SamplingParams(max_tokens=1), 1, -1)
-    probe.prefix_hashes = list(chain)
-    limit = len(prompt_token_ids) - 1  # as admission: the last token is always computed
-    match = find_hit(cache, probe, cache.naming.chain(probe, limit), limit)
-    return match.hit.num_tokens if match.hit is not None else 0

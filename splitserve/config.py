@@ -251,9 +251,19 @@ class CacheConfig(_Section):
 
 class RouterConfig(_Section):
     """How the gateway picks workers: `prefix_aware` (matched prefix tokens balanced against
-    load), `least_load` or `round_robin`."""
+    load), `least_load` or `round_robin`.
+
+    `local_prefill_max_tokens` (conditional disaggregation): a prompt of which at most this many
+    tokens are not already cached on a decode worker with room is computed by that decode worker
+    itself, with no prefill worker and no state handoff (the next turn of a conversation, whose
+    history the decode worker kept when the last turn finished; a short prompt). The decode
+    worker checks its own cache and refuses when it holds less than the gateway believed; the
+    prompt then goes to a prefill worker as usual. Each such prefill runs in the decode batch,
+    so it is bounded: 0 (the default) sends every prompt to a prefill worker.
+    """
 
     policy: Literal["prefix_aware", "least_load", "round_robin"] = "prefix_aware"
+    local_prefill_max_tokens: int = Field(default=0, ge=0)
 
 
 class HealthConfig(_Section):

@@ -38,11 +38,17 @@ def extend(parent: bytes, token_ids: Sequence[int]) -> bytes:
 
 def prefix_hash_chain(token_ids: Sequence[int], unit: int, salt: bytes = b"") -> list[bytes]:
     """One name per whole `unit` of `token_ids` (a trailing partial unit is not named)."""
+    return grow_chain([], token_ids, unit, salt)
+
+
+def grow_chain(chain: Sequence[bytes], token_ids: Sequence[int], unit: int, salt: bytes = b"") -> list[bytes]:
+    """`chain` (the names of the first `len(chain)` units of `token_ids`) grown to name every
+    whole unit of `token_ids`: a prompt's chain extended over the reply, hashing only the rest."""
     if unit < 1:
         raise ValueError(f"prefix unit must be at least 1 token (got {unit})")
-    chain: list[bytes] = []
-    parent = root(salt)
-    for start in range(0, len(token_ids) - unit + 1, unit):
+    grown = list(chain)
+    parent = grown[-1] if grown else root(salt)
+    for start in range(len(grown) * unit, len(token_ids) - unit + 1, unit):
         parent = extend(parent, token_ids[start : start + unit])
-        chain.append(parent)
-    return chain
+        grown.append(parent)
+    return grown

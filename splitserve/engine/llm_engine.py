@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +20,7 @@ from splitserve.engine.model_config import KimiLinearModelConfig
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.prefix_cache import ImportedPrefix, PrefixCacheStats, PrefixEvent, RetainedPrefix
 from splitserve.engine.prefix_cache.cache import PrefixCache, make_prefix_cache
+from splitserve.engine.prefix_cache.match import find_hit
 from splitserve.engine.replay_publish import ReplayListener, replay_publisher
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler
@@ -337,6 +338,21 @@ class LLMEngine:
         never block); None stops. Without prefix caching nothing is ever retained."""
         if self.prefix_cache is not None:
             self.prefix_cache.listener = fn
+
+    def num_cached_prompt_tokens(
+        self, prompt_token_ids: Sequence[int], prefix_hashes: list[bytes] | None = None
+    ) -> int:
+        """Prompt tokens this engine's prefix cache would serve the prompt now (engine thread;
+        reads the cache's index, moves nothing; 0 with caching off). Admission finds the same hit
+        (`find_hit`) unless it is evicted in between. `prefix_hashes` as for `add_request`."""
+        cache = self.prefix_cache
+        if cache is None or len(prompt_token_ids) < 2:
+            return 0
+        probe = Request("__prefix_probe__", list(prompt_token_ids), SamplingParams(max_tokens=1), 1, -1)
+        probe.prefix_hashes = list(prefix_hashes) if prefix_hashes else None
+        limit = len(prompt_token_ids) - 1  # as admission: the last token is always computed
+        match = find_hit(cache, probe, cache.naming.chain(probe, limit), limit)
+        return match.hit.num_tokens if match.hit is not None else 0
 
     def take_prefix_events(self) -> list[PrefixEvent]:
         """Prefix events since the last call (`stored` and `removed`, for a router's index)."""

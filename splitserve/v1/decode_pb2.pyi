@@ -40,7 +40,7 @@ class ReserveResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reject_reason: _Optional[str] = ..., store_address: _Optional[str] = ..., state_key: _Optional[str] = ..., state_owner: _Optional[str] = ..., expiry_unix_s: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "first_token_id", "first_logprobs", "state", "output_token_ids", "resume_from")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "first_token_id", "first_logprobs", "state", "output_token_ids", "resume_from", "max_uncached_tokens", "prefix_hashes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,8 @@ class DecodeRequest(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
+    MAX_UNCACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASHES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
@@ -57,7 +59,9 @@ class DecodeRequest(_message.Message):
     state: _common_pb2.StateHandle
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     resume_from: ResumeFrom
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.StateHandle, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., resume_from: _Optional[_Union[ResumeFrom, _Mapping]] = ...) -> None: ...
+    max_uncached_tokens: int
+    prefix_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.StateHandle, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., resume_from: _Optional[_Union[ResumeFrom, _Mapping]] = ..., max_uncached_tokens: _Optional[int] = ..., prefix_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ResumeFrom(_message.Message):
     __slots__ = ("store_address", "state_key")
@@ -78,7 +82,7 @@ class DecodeTiming(_message.Message):
     def __init__(self, emit_unix_s: _Optional[float] = ..., state_wait_s: _Optional[float] = ..., queue_s: _Optional[float] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
-    __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "stop_token_id", "num_generated_tokens", "timing", "resume_from")
+    __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "stop_token_id", "num_generated_tokens", "timing", "resume_from", "num_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +91,7 @@ class TokenDelta(_message.Message):
     NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
@@ -95,7 +100,8 @@ class TokenDelta(_message.Message):
     num_generated_tokens: int
     timing: DecodeTiming
     resume_from: ResumeFrom
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., timing: _Optional[_Union[DecodeTiming, _Mapping]] = ..., resume_from: _Optional[_Union[ResumeFrom, _Mapping]] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., timing: _Optional[_Union[DecodeTiming, _Mapping]] = ..., resume_from: _Optional[_Union[ResumeFrom, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class AbortDecodeRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -49,6 +49,7 @@ def stream_deltas(
             logprobs=[logprobs_to_proto(lp) for lp in update.new_logprobs],
             finish_reason=FINISH_TO_PROTO[update.finish_reason if update.finished else None],
             num_generated_tokens=num_generated,
+            num_cached_tokens=update.num_cached_tokens if first else 0,
             timing=decode_pb2.DecodeTiming(
                 emit_unix_s=time.time(),
                 state_wait_s=state_wait_s if first else 0.0,

@@ -141,3 +141,32 @@ def test_make_router_by_policy() -> None:
     assert isinstance(prefix, PrefixAwareRouter) and prefix.prefix_unit == 64
     with pytest.raises(ValueError, match="router.policy"):
         make_router("random", UNIT)  # type: ignore[arg-type]
+
+
+def test_decode_workers_ends_match_the_prompts_that_extend_them() -> None:
+    router = PrefixAwareRouter([A], [B, C], prefix_unit=UNIT)
+    history = SHARED + [7, 8]  # 18 tokens kept: its deepest whole unit is the fourth
+    hashes = chain(history, 18)
+    router.on_decode_retained(B, hashes[3], 18)
+    assert router.decode_prefix_match(chain(history, 30)) == {B: 18}  # the next turn extends it
+    # a prompt that leaves it inside its units is not served by that end (no state kept there)
+    assert router.decode_prefix_match(chain(SHARED[:12], 30)) == {}
+    router.on_decode_retained(A, hashes[3], 18)  # a prefill worker: not a decode worker's end
+    assert router.decode_prefix_match(hashes) == {B: 18}
+
+
+def test_a_refused_local_prefill_and_a_departed_decode_worker_are_forgotten() -> None:
+    router = PrefixAwareRouter([A], [B, C], prefix_unit=UNIT)
+    hashes = chain(SHARED, 16)
+    router.on_decode_retained(B, hashes[3], 16)
+    router.on_decode_retained(C, hashes[3], 16)
+    router.on_local_prefill_refused(B, chain(SHARED, 24))
+    assert router.decode_prefix_match(hashes) == {C: 16}
+    router.update_workers([A], [B])
+    assert router.decode_prefix_match(hashes) == {}
+
+
+@pytest.mark.parametrize("router", [LeastLoadRouter([A], [B]), RoundRobinRouter([A], [B])])
+def test_routers_without_a_prefix_index_believe_no_decode_worker_holds_anything(router) -> None:  # type: ignore[no-untyped-def]
+    router.on_decode_retained(B, chain(SHARED, 16)[3], 16)
+    assert router.decode_prefix_match(chain(SHARED, 16)) == {}
