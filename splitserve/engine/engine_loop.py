@@ -145,11 +145,11 @@ class EngineLoop:
         try:
             self._publish()
         finally:
-            for future, result, exc in outcomes:
-                if exc is None:
+            for future, result, error in outcomes:
+                if error is None:
                     future.set_result(result)
                 else:
-                    future.set_exception(exc)
+                    future.set_exception(error)
 
     def _step(self) -> None:
         for update in self.engine.step():
