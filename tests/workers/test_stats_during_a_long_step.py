@@ -168,3 +168,22 @@ def test_a_stuck_engine_fails_the_health_probe_and_is_restarted(workers):
         member, starter = _probe(worker)
         assert starter.killed == [member] and member.restarts == 1
         assert member.error is not None and member.error.startswith("engine stuck")
+
+
+def test_a_dead_engine_fails_the_health_probe(engine_config):
+    worker = ColocatedWorkerActor(engine_config)
+    worker.start("127.0.0.1", 0)
+    try:
+
+        def broken_step() -> list:
+            raise RuntimeError("device lost")
+
+        worker.loop.engine.step = broken_step
+        worker.loop.call(lambda e: e.add_request("doomed", PROMPT, PARAMS)).result(timeout=30)
+        worker.loop._thread.join(30)
+        member, starter = _probe(worker)
+        assert starter.killed == [member] and member.error == "health() returned False"
+        with pytest.raises(RuntimeError, match="device lost"):
+            worker.stats()  # no numbers from an engine that will never change them
+    finally:
+        worker.shutdown()
