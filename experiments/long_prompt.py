@@ -14,7 +14,8 @@ a time on the same prompt: the prefill's chunks (steps before the first token), 
 (how long a call queued behind the engine, such as the health probe's `stats()`, waits) and
 whether the cluster's tokens equal its tokens. The offline runs come after the deployment ends,
 so they do not share the CPUs with it. `--health-timeout-s` overrides `health.timeout_s` (the
-controller restarts a worker whose `stats()` does not answer within it).
+controller restarts a worker whose `stats()` does not answer within it, or whose engine step has
+run past 30 times it).
 """
 
 from __future__ import annotations
@@ -200,8 +201,8 @@ def main() -> None:
         "--health-timeout-s",
         type=float,
         default=HealthConfig().timeout_s,
-        help="health.timeout_s (default: the config's): a worker whose stats() waits longer behind the "
-        "engine's step in progress is restarted",
+        help="health.timeout_s (default: the config's): a worker whose stats() does not answer within it, "
+        "or whose engine step has run past 30 times it, is restarted",
     )
     parser.add_argument("--skip-offline", action="store_true", help="do not check against splitserve.LLM")
     args = parser.parse_args()
