@@ -57,7 +57,7 @@ MODEL_1B: dict[str, object] = {
     "v_head_dim": 128,
     "layer_types": [_KDA, _KDA, _KDA, _MLA] * 3,
     "mlp_layer_types": ["dense"] + ["sparse"] * 11,
-    "max_position_embeddings": 8192,
+    "max_position_embeddings": 65536,  # room for the 32k-token prompt of scripts/gpu_check.sh
 }
 
 
@@ -69,6 +69,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 512; tiny: 8)")
     parser.add_argument("--decode-tokens", type=int, default=None, help="decode steps (default 64; tiny: 2)")
     parser.add_argument("--model-dir", default=None, help="reuse/keep the random checkpoint here")
+    parser.add_argument(
+        "--engine-only", action="store_true", help="eager engine speeds only: no CUDA graphs, no kernel table"
+    )
     args = parser.parse_args(argv)
     args.batch_sizes = [int(b) for b in (args.batch_sizes or ("1,2" if args.tiny else "1,16,64")).split(",")]
     args.prompt_len = args.prompt_len or (8 if args.tiny else 512)
@@ -140,7 +143,7 @@ def engine_rows(args: argparse.Namespace, path: Path, bandwidth: float) -> list[
     """Per batch size: prefill and decode tokens/s eager, decode with CUDA graphs (CUDA only), the bound."""
     eager = engine_speeds(args, path, enforce_eager=True)
     cuda = args.device.startswith("cuda")
-    graphed = engine_speeds(args, path, enforce_eager=False) if cuda else {}
+    graphed = engine_speeds(args, path, enforce_eager=False) if cuda and not args.engine_only else {}
     rows = []
     for batch in args.batch_sizes:
         prefill_tps, decode_tps, step_bytes = eager[batch]
@@ -379,11 +382,12 @@ def main(argv: list[str] | None = None) -> int:
         ],
         engine,
     )
-    print_table(
-        "kernels against their torch reference (ms per call, median)",
-        ["case", "torch ms", "kernel ms", "speed-up", "max |diff|"],
-        kernel_rows(args),
-    )
+    if not args.engine_only:
+        print_table(
+            "kernels against their torch reference (ms per call, median)",
+            ["case", "torch ms", "kernel ms", "speed-up", "max |diff|"],
+            kernel_rows(args),
+        )
     return 0
 
 
