@@ -32,6 +32,14 @@ import torch
 
 from splitserve.engine.forward_batch import TokenGroup
 
+_START_S = time.perf_counter()
+
+
+def progress(what: str) -> None:
+    """One timestamped line (seconds since start), flushed: a run cut off by a time limit shows
+    how far it got and what took the time."""
+    print(f"[{time.perf_counter() - _START_S:7.1f} s] {what}", flush=True)
+
 if TYPE_CHECKING:
     from splitserve import LLM
 
@@ -185,6 +193,7 @@ def engine_speeds(
         enforce_eager=enforce_eager,
         cuda_graph_batch_sizes=tuple(args.batch_sizes),  # only the buckets measured: a shorter capture
     )
+    progress(f"engine loaded ({'eager' if enforce_eager else 'CUDA graphs'})")
     model = llm.engine.model
     if enforce_eager:
         num_params = sum(p.numel() for p in model.parameters())
@@ -218,9 +227,11 @@ def measure_speeds(args: argparse.Namespace, llm: LLM) -> dict[int, tuple[float,
             synchronize(args.device)
             return time.perf_counter() - start
 
-        run(2)  # warm-up at this batch size: kernel compiles and autotuning
+        warmup_s = run(2)  # warm-up at this batch size: kernel compiles and autotuning
+        progress(f"batch {batch}: warm-up (2 tokens) took {warmup_s:.1f} s")
         prefill_s = run(1)
         total_s = run(1 + args.decode_tokens)
+        progress(f"batch {batch}: prefill {prefill_s:.3f} s, prefill + {args.decode_tokens} steps {total_s:.3f} s")
         decode_s = max(total_s - prefill_s, 1e-9)
         context = args.prompt_len + args.decode_tokens // 2
         speeds[batch] = (
@@ -368,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         )
         path = build_checkpoint(args, where)
+        progress(f"checkpoint ready at {path}")
         engine = engine_rows(args, path, bandwidth)
     print_table(
         f"engine, prompt {args.prompt_len} tokens, {args.decode_tokens} decode steps",
