@@ -8,19 +8,20 @@ unrotated key part), and a `TokenGroup` naming, per row, the pool rows of its co
 
 On CUDA the Triton kernel (`paged_mla_triton`) reads the pool through `kv_index` directly;
 elsewhere the torch reference gathers one copy of each row's context (shared by all heads, not
-repeated per head) and builds the causal mask per query chunk from `query_pos`, so no
-[rows, heads * tokens, context] score matrix of the whole chunk exists at once.
+repeated per head) and runs torch's fused attention on it, with a per-row causal mask built
+per query chunk from `query_pos`: no [rows, heads * tokens, context] score matrix exists.
 `SPLITSERVE_MLA_BACKEND=torch|triton` overrides the choice (benchmarks, debugging).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from splitserve.engine.forward_batch import TokenGroup
 from splitserve.engine.ops.backend import choose_backend, importable
 
-# The largest per-chunk score matrix the torch path builds ([rows, heads * chunk, context] fp32).
+# The largest per-chunk attention mask the torch path builds ([rows, chunk, context], bool + fp32).
 MASK_BUDGET_BYTES = 64 << 20
 BACKEND_ENV = "SPLITSERVE_MLA_BACKEND"
 
@@ -61,31 +62,32 @@ def paged_mla_torch(
     out_latent: torch.Tensor,
     mask_budget_bytes: int = MASK_BUDGET_BYTES,
 ) -> None:
-    """The CPU reference: scores, mask and softmax by hand over each row's gathered context.
+    """The CPU reference: `scaled_dot_product_attention` over each row's gathered context.
 
-    Heads fold into the query axis (row = h * num + i), so the single KV head is one [K, D]
-    matrix per row that every head's queries multiply in one bmm, with no copy per head; the
-    causal mask is [rows, num, K] and broadcasts over the heads in place.
+    The values are the keys' first `rank` columns, so attention runs with `v = k` (every head
+    dim rank + rope, which the fused CPU kernel needs) and keeps the output's first `rank`
+    columns: the same weighted sum, with no separate value tensor. The single KV head is
+    expanded over the query heads as a stride-0 view (no copy). The fused kernel never holds
+    the scores (one online-softmax pass instead of bmm, scale, mask fill, softmax, bmm over a
+    [rows, heads * num, context] matrix); only the boolean mask [rows, num, context] is built,
+    shared by the heads, per query chunk within `mask_budget_bytes`.
     """
     rows, length, heads = group.num_rows, group.max_len, q_full.shape[1]
     # [B, K, rank + rope]: one copy, shared by all heads (index_select: the fast CPU row gather)
     keys = kv_pool.index_select(0, group.kv_index.view(-1)).view(rows, -1, kv_pool.shape[1])
-    keys_t = keys.transpose(1, 2)
-    values = keys[..., :rank]
     context = keys.shape[1]
+    keys = keys.unsqueeze(1).expand(rows, heads, context, keys.shape[-1])  # [B, H, K, D], a view
     positions = torch.arange(context, device=kv_pool.device)
     query_pos = group.query_pos
-    chunk = max(1, min(length, mask_budget_bytes // max(1, rows * heads * context * 4)))
+    # the mask [B, 1, num, K] is bool, and the kernel turns it into an additive fp32 one (5 bytes)
+    chunk = max(1, min(length, mask_budget_bytes // max(1, rows * context * 5)))
     for start in range(0, length, chunk):
         stop = min(length, start + chunk)
-        num = stop - start
-        q = q_full[group.token_index[:, start:stop]].transpose(1, 2).reshape(rows, heads * num, -1)
-        scores = torch.bmm(q, keys_t).mul_(scale)  # [B, H * num, K]
-        hidden = positions.view(1, 1, -1) > query_pos[:, start:stop].unsqueeze(-1)  # [B, num, K]
-        scores.view(rows, heads, num, context).masked_fill_(hidden.unsqueeze(1), float("-inf"))
-        o = torch.bmm(torch.softmax(scores, dim=-1), values)  # [B, H * num, rank]
-        o = o.view(rows, heads, num, rank).transpose(1, 2)  # [B, num, H, rank]
-        if num == length == 1:
+        q = q_full[group.token_index[:, start:stop]].transpose(1, 2)  # [B, H, num, D]
+        visible = positions.view(1, 1, -1) <= query_pos[:, start:stop].unsqueeze(-1)  # [B, num, K]
+        o = F.scaled_dot_product_attention(q, keys, keys, attn_mask=visible.unsqueeze(1), scale=scale)
+        o = o[..., :rank].transpose(1, 2)  # [B, num, H, rank]
+        if stop - start == length == 1:
             out_latent[group.token_index[:, 0]] = o[:, 0]
             continue
         valid = group.valid[:, start:stop]
