@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from splitserve.engine.ops import kda
 from splitserve.engine.ops.kda import kda_chunked, kda_chunked_varlen, kda_recurrent_step, l2norm
 
 
@@ -51,3 +52,18 @@ def test_padded_equals_varlen():
     ref_out, ref_final = kda_chunked(*(padded(x) for x in (q, k, v, g, beta)), state)
     torch.testing.assert_close(padded(out), ref_out, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(final, ref_final, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("budget_bytes", [1, 3 * 2 * 8 * 8 * 4 * 2])
+def test_state_pass_in_windows_equals_one_window(monkeypatch, budget_bytes):
+    """A state budget too small for every chunk's starting state runs the steps in windows (one
+    step each, or two with rows ending inside and at a window's edge): the result is unchanged."""
+    lengths = [37, 9, 16]
+    q, k, v, g, beta = flat_inputs(sum(lengths), 2, 8, seed=3)
+    state = torch.randn(len(lengths), 2, 8, 8, generator=torch.Generator().manual_seed(4))
+    starts = [0, 37, 46]
+    out, final = kda_chunked_varlen(q, k, v, g, beta, state, starts, lengths)
+    monkeypatch.setattr(kda, "STATE_BUDGET_BYTES", budget_bytes)
+    windowed_out, windowed_final = kda_chunked_varlen(q, k, v, g, beta, state, starts, lengths)
+    torch.testing.assert_close(windowed_out, out, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(windowed_final, final, rtol=1e-6, atol=1e-6)
