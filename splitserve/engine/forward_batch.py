@@ -21,6 +21,11 @@ class TokenGroup:
     `query_pos[b, i]` is the absolute position of row b's i-th new token: it attends to context
     tokens `0..query_pos` (causal). No [B, Lmax, Kmax] mask exists: at long context it would be
     the largest tensor of a step, and attention builds what it needs from `query_pos`.
+
+    `valid_index` (built on the host by the runner) lists the flat positions `b * Lmax + i` of the
+    real tokens, row-major: `real_tokens` gathers them with it instead of a boolean mask, whose
+    `nonzero` would make the host wait for the device (once per layer on CUDA). Without it (a group
+    built by hand) the mask is used; a group whose rows are all full needs neither.
     """
 
     token_index: torch.Tensor  # [B, Lmax] long
@@ -30,6 +35,8 @@ class TokenGroup:
     kv_index: torch.Tensor  # [B, Kmax] long
     query_pos: torch.Tensor  # [B, Lmax] long
     slot_ids: list[int] = field(default_factory=list)  # state_slots on the host (ReplaySSM's ring counts)
+    valid_index: torch.Tensor | None = None  # [num real tokens] long, see above; None: all full or unknown
+    starts: list[int] = field(default_factory=list)  # token_index[:, 0] on the host (empty: unknown)
 
     @property
     def num_rows(self) -> int:
@@ -38,6 +45,25 @@ class TokenGroup:
     @property
     def max_len(self) -> int:
         return int(self.token_index.shape[1])
+
+    @property
+    def is_full(self) -> bool:
+        """Every row has `max_len` new tokens (a decode group): `valid` is all True."""
+        return all(n == self.max_len for n in self.lengths)
+
+    def real_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """`x[valid]` for `x` [B, Lmax, ...]: its real entries in row-major order, without a host sync
+        when the group is full or has `valid_index`."""
+        flat = x.reshape(-1, *x.shape[2:])
+        if self.is_full:
+            return flat
+        if self.valid_index is None:
+            return x[self.valid]  # a boolean mask: nonzero syncs with the host on CUDA
+        return flat.index_select(0, self.valid_index)
+
+    def real_token_index(self) -> torch.Tensor:
+        """`token_index[valid]`: the flat batch position of each real token, in the same order."""
+        return self.real_tokens(self.token_index)
 
 
 @dataclass

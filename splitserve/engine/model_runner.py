@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import array
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -150,62 +152,135 @@ class ModelRunner:
         self, singles: list[ScheduledRequest], multis: list[ScheduledRequest], num_padding: int = 0
     ) -> ForwardBatch:
         """The flat batch: `singles`, then `num_padding` padding rows (token 0 at position 0 on the
-        scratch KV row and state slot; they sample nothing), then `multis`."""
-        input_ids: list[int] = []
-        slot_mapping: list[int] = []
-        logits_indices: list[int] = []
-        bs = self.block_size
+        scratch KV row and state slot; they sample nothing), then `multis`.
+
+        Host work is per row, not per token (a prompt chunk's ids are one list slice, its KV rows
+        one vectorised lookup), and every index goes to the device in one copy (`_HostPack`); the
+        context's KV rows are expanded from the block tables there, not on the host.
+        """
         rows = [_Row.of(s) for s in singles]
         if num_padding:
             assert self.padding is not None, "padding rows need the scratch row and slot"
             pad = _Row(0, 1, [self.padding.scratch_block], self.padding.scratch_slot, None, False)
             rows += [pad] * num_padding
         multi_rows = [_Row.of(s) for s in multis]
+        input_ids: list[int] = []
+        slot_mapping: list[torch.Tensor] = []
+        logits_indices: list[int] = []
         for row in rows + multi_rows:
-            for pos in range(row.num_computed, row.num_computed + row.num_new):
-                input_ids.append(0 if row.request is None else row.request.token_at(pos))
-                slot_mapping.append(row.block_table[pos // bs] * bs + pos % bs)
+            input_ids += row.token_ids()
+            slot_mapping.append(row.kv_rows(self.block_size))
             if row.samples:
                 logits_indices.append(len(input_ids) - 1)
-        dev = self.device
-        return ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
-            single=self._group(rows, 0) if rows else None,
-            multi=self._group(multi_rows, len(rows)) if multi_rows else None,
-        )
+        pack = _HostPack()
+        flat = [
+            pack.add(_long(input_ids)),
+            pack.add(torch.cat(slot_mapping)),
+            pack.add(_long(logits_indices)),
+        ]
+        single = self._group(rows, 0, pack) if rows else None
+        multi = self._group(multi_rows, len(rows), pack) if multi_rows else None
+        pack.to(self.device)
+        batch = ForwardBatch(*(pack.get(i) for i in flat), single=None, multi=None)
+        batch.single = single.build(pack) if single is not None else None
+        batch.multi = multi.build(pack) if multi is not None else None
+        return batch
 
-    def _group(self, rows: list[_Row], offset: int) -> TokenGroup:
-        dev, bs = self.device, self.block_size
+    def _group(self, rows: list[_Row], offset: int, pack: _HostPack) -> _GroupPlan:
+        """Queue one token group's host integers (per row, and the block tables) into `pack`."""
         lengths = [r.num_new for r in rows]
-        computed = torch.tensor([r.num_computed for r in rows], dtype=torch.long)
+        computed = [r.num_computed for r in rows]
+        starts = list(itertools.accumulate(lengths[:-1], initial=offset))
         max_len = max(lengths)
-        starts = torch.tensor([0, *lengths[:-1]], dtype=torch.long).cumsum(0) + offset
-        steps = torch.arange(max_len, dtype=torch.long)
-        len_t = torch.tensor(lengths, dtype=torch.long)
-        valid = steps.unsqueeze(0) < len_t.unsqueeze(1)
-        token_index = torch.where(valid, starts.unsqueeze(1) + steps, 0)
-        ctx_lens = computed + len_t
-        max_ctx = int(ctx_lens.max())
-        max_blocks = -(-max_ctx // bs)
-        tables = torch.zeros(len(rows), max_blocks, dtype=torch.long)
+        max_ctx = max(c + n for c, n in zip(computed, lengths))
+        max_blocks = -(-max_ctx // self.block_size)
+        tables = array.array("q", bytes(8 * len(rows) * max_blocks))  # zeros: padding blocks
         for i, r in enumerate(rows):
             table = r.block_table[:max_blocks]
-            tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
-        positions = torch.arange(max_ctx, dtype=torch.long)
-        kv_index = tables[:, positions // bs] * bs + positions % bs
-        query_pos = computed.unsqueeze(1) + steps  # absolute position of each new token
+            tables[i * max_blocks : i * max_blocks + len(table)] = array.array("q", table)
         slot_ids = [r.slot for r in rows]
-        return TokenGroup(
-            token_index=token_index.to(dev),
-            valid=valid.to(dev),
-            lengths=lengths,
-            state_slots=torch.tensor(slot_ids, dtype=torch.long, device=dev),
-            kv_index=kv_index.to(dev),
-            query_pos=query_pos.to(dev),
-            slot_ids=slot_ids,
+        per_row = pack.add(_long(computed + lengths + starts + slot_ids))
+        table_id = pack.add(torch.frombuffer(tables, dtype=torch.long))
+        valid_id = None
+        if any(n != max_len for n in lengths):  # the real tokens' flat positions, for gathers without a mask
+            valid = itertools.chain.from_iterable(
+                range(b * max_len, b * max_len + n) for b, n in enumerate(lengths)
+            )
+            valid_id = pack.add(_long(list(valid)))
+        return _GroupPlan(
+            lengths,
+            starts,
+            slot_ids,
+            max_len,
+            max_ctx,
+            max_blocks,
+            self.block_size,
+            per_row,
+            table_id,
+            valid_id,
         )
+
+
+@dataclass
+class _GroupPlan:
+    """A token group whose host integers wait in a `_HostPack`; `build` derives the rest on the device."""
+
+    lengths: list[int]
+    starts: list[int]
+    slot_ids: list[int]
+    max_len: int
+    max_ctx: int
+    max_blocks: int
+    block_size: int
+    per_row_id: int
+    tables_id: int
+    valid_id: int | None
+
+    def build(self, pack: _HostPack) -> TokenGroup:
+        num_rows, bs = len(self.lengths), self.block_size
+        computed, len_t, starts, slots = pack.get(self.per_row_id).view(4, num_rows)
+        tables = pack.get(self.tables_id).view(num_rows, self.max_blocks)
+        dev = tables.device
+        steps = torch.arange(self.max_len, dtype=torch.long, device=dev)
+        valid = steps.unsqueeze(0) < len_t.unsqueeze(1)
+        token_index = torch.where(valid, starts.unsqueeze(1) + steps, 0)
+        positions = torch.arange(self.max_ctx, dtype=torch.long, device=dev)
+        kv_index = tables[:, positions // bs] * bs + positions % bs
+        return TokenGroup(
+            token_index=token_index,
+            valid=valid,
+            lengths=self.lengths,
+            state_slots=slots,
+            kv_index=kv_index,
+            query_pos=computed.unsqueeze(1) + steps,  # absolute position of each new token
+            slot_ids=self.slot_ids,
+            valid_index=None if self.valid_id is None else pack.get(self.valid_id),
+            starts=self.starts,
+        )
+
+
+class _HostPack:
+    """Host int64 tensors queued for the device and sent in one copy: a step's indices cost one
+    host-to-device transfer instead of one each (each a driver call, and a wait for pageable memory)."""
+
+    def __init__(self) -> None:
+        self._pieces: list[torch.Tensor] = []
+        self._views: list[torch.Tensor] = []
+
+    def add(self, piece: torch.Tensor) -> int:
+        self._pieces.append(piece)
+        return len(self._pieces) - 1
+
+    def to(self, device: torch.device) -> None:
+        flat = torch.cat(self._pieces).to(device)
+        self._views = list(flat.split([p.numel() for p in self._pieces]))
+
+    def get(self, piece_id: int) -> torch.Tensor:
+        return self._views[piece_id]
+
+
+def _long(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long)
 
 
 @dataclass
@@ -218,6 +293,21 @@ class _Row:
     slot: int
     request: Request | None
     samples: bool
+
+    def token_ids(self) -> list[int]:
+        """The ids of the row's new tokens (0 for a padding row)."""
+        if self.request is None:
+            return [0] * self.num_new
+        return self.request.token_ids(self.num_computed, self.num_computed + self.num_new)
+
+    def kv_rows(self, block_size: int) -> torch.Tensor:
+        """The KV pool row each new token is written to."""
+        start = self.num_computed
+        if self.num_new == 1:
+            return _long([self.block_table[start // block_size] * block_size + start % block_size])
+        positions = torch.arange(start, start + self.num_new, dtype=torch.long)
+        blocks = torch.tensor(self.block_table[: -(-(start + self.num_new) // block_size)], dtype=torch.long)
+        return blocks[positions // block_size] * block_size + positions % block_size
 
     @classmethod
     def of(cls, s: ScheduledRequest) -> _Row:

@@ -92,6 +92,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Tokens `start..stop` of prompt + outputs, as list slices (no per-token work)."""
+        n = len(self.prompt_token_ids)
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n : stop - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n]
+
     def token_at(self, position: int) -> int:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]

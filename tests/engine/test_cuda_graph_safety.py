@@ -5,8 +5,6 @@ references, which graphs refuse, are shown to fail the same check."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 from torch._subclasses.fake_tensor import (
@@ -17,18 +15,10 @@ from torch._subclasses.fake_tensor import (
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.cuda_graph import DecodeGraphs
-from splitserve.engine.model import moe
-from splitserve.engine.ops import fused_moe, paged_mla
 from splitserve.engine.request import Request
+from tests.engine.kernel_stubs import stub_triton_kernels
 
 pytest.importorskip("triton")  # the kernels' Python wrappers import it
-
-
-class _NoLaunch:
-    """Stands in for a Triton kernel: `kernel[grid](...)` does nothing."""
-
-    def __getitem__(self, grid: Any) -> Any:
-        return lambda *args, **kwargs: None
 
 
 @pytest.fixture(scope="module")
@@ -46,24 +36,9 @@ def graphs(tiny_model_path) -> DecodeGraphs:
     return runner
 
 
-def _kernels_stubbed(monkeypatch: pytest.MonkeyPatch) -> None:
-    from splitserve.engine.ops import paged_mla_triton
-
-    monkeypatch.setattr(paged_mla, "mla_backend", lambda device: "triton")
-    monkeypatch.setattr(paged_mla_triton, "_kernel", lambda: _NoLaunch())
-    monkeypatch.setattr(fused_moe, "_launch", lambda *args, **kwargs: None)
-
-    def experts_fused(
-        self: moe.Experts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-    ) -> torch.Tensor:
-        return fused_moe.fused_moe(x, self.w13, self.w2, weights, ids)
-
-    monkeypatch.setattr(moe.Experts, "forward", experts_fused)
-
-
 @torch.inference_mode()
 def test_graph_forward_has_no_host_sync_or_data_dependent_shape(graphs, monkeypatch):
-    _kernels_stubbed(monkeypatch)
+    stub_triton_kernels(monkeypatch)
     hidden_size = graphs.model.config.hidden_size
     with FakeTensorMode(allow_non_fake_inputs=True):
         out = graphs.forward(4)

@@ -120,8 +120,8 @@ class KimiDeltaAttention(nn.Module):
         padded = mixed[group.token_index] * group.valid.unsqueeze(-1)  # [B, L, C]
         seq = torch.cat([conv_state[slots], padded.transpose(1, 2)], dim=-1)  # [B, C, K-1+L]
         conv = F.conv1d(seq, self.conv_weight.unsqueeze(1), groups=seq.shape[1])  # [B, C, L]
-        out[group.token_index[group.valid]] = F.silu(conv.transpose(1, 2)[group.valid])
-        lengths = torch.tensor(group.lengths, device=seq.device)
+        out[group.real_token_index()] = F.silu(group.real_tokens(conv.transpose(1, 2)))  # no mask: no sync
+        lengths = group.valid.sum(dim=1)  # on the device: no host tensor copied in per layer
         cols = lengths.view(-1, 1) + torch.arange(keep, device=seq.device)  # last K-1 real inputs
         conv_state[slots] = seq.gather(2, cols.unsqueeze(1).expand(-1, seq.shape[1], -1))
 
@@ -138,7 +138,7 @@ class KimiDeltaAttention(nn.Module):
     ) -> None:
         slots = group.state_slots
         if kda_backend(q.device) == "torch":  # packed chunks: no padding to the longest row
-            starts = group.token_index[:, 0].tolist()
+            starts = group.starts or group.token_index[:, 0].tolist()  # the runner gives them on the host
             state = recurrent_state.index_select(0, slots)
             state = kda_prefill_varlen(q, k, v, g, beta, state, starts, group.lengths, out)
             recurrent_state.index_copy_(0, slots, state)
@@ -152,4 +152,4 @@ class KimiDeltaAttention(nn.Module):
         b = (beta[idx] * valid.unsqueeze(-1)).transpose(1, 2)
         o, state = kda_prefill(padded(q), padded(k), padded(v), padded(g), b, recurrent_state[slots])
         recurrent_state[slots] = state
-        out[idx[valid]] = o.transpose(1, 2)[valid]
+        out[group.real_token_index()] = group.real_tokens(o.transpose(1, 2))

@@ -194,9 +194,6 @@ def paged_mla_triton(
         weights = torch.softmax(lse, dim=0).nan_to_num(0.0).unsqueeze(-1)
         merged = (acc * weights).sum(dim=0)
     o = merged.view(rows, length, heads, rank)  # pair m = i * H + h
-    if all(n == length for n in group.lengths):
-        # every row full (a decode batch): no boolean mask, whose nonzero would sync with the host
-        # and could not run inside a CUDA graph (engine/cuda_graph.py)
-        out_latent[token_index.view(-1)] = o.view(rows * length, heads, rank).to(out_latent.dtype)
-    else:
-        out_latent[token_index[group.valid]] = o[group.valid].to(out_latent.dtype)
+    # no boolean mask (its nonzero would sync with the host, and could not run inside a CUDA graph,
+    # engine/cuda_graph.py): a full group (decode) takes every entry, a ragged one its valid_index
+    out_latent[group.real_token_index()] = group.real_tokens(o).to(out_latent.dtype)
