@@ -38,8 +38,11 @@ class DecodeWorkerActor(WorkerActorBase):
         servicer = self.servicer = DecodeServicer(
             self.loop, self.worker_id, self.store_address, publisher=self.replay_publisher
         )
-        # a finished request's prompt + reply goes to the store: the conversation's next turn hits
-        self.prefix_publisher = PrefixPublisher.attach(self.loop, self.worker_id, self.store_address)
+        # a finished request's prompt + reply goes to the store: the conversation's next turn hits;
+        # each publish waits out the prompt (a next turn's) this engine is computing, if any
+        self.prefix_publisher = PrefixPublisher.attach(
+            self.loop, self.worker_id, self.store_address, yield_to_prefills=True
+        )
         # a swap-preempted request's state waits in the store, not in this process
         self.swap_space = attach_store_swap_space(self.loop, self.worker_id, self.store_address)
         return lambda server: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)

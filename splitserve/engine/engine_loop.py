@@ -45,6 +45,7 @@ class EngineLoop:
         self._callbacks: dict[str, UpdateCallback] = {}
         self._observers: list[Observer] = []  # engine thread only: changed through commands
         self._wake = threading.Condition()
+        self._snapshot_taken = threading.Condition()  # notified after each snapshot (`wait_until`)
         self._stopping = False
         self.error: BaseException | None = None
         # Taken here, before the thread exists, so there is always one to read.
@@ -79,6 +80,20 @@ class EngineLoop:
         if not self.alive:
             raise RuntimeError(f"engine loop is not running ({self.error or 'stopped'}); restart the worker")
         return self._snapshot
+
+    def wait_until(self, predicate: Callable[[EngineSnapshot], bool], timeout_s: float) -> bool:
+        """Block until a snapshot satisfies `predicate` (checked on the latest one now, then on
+        each new one as the engine thread takes it); False after `timeout_s`, or once the loop
+        has stopped or died. For background threads that should not compete with some kind of
+        step (e.g. a publisher waiting out a prompt's prefill)."""
+
+        def gone() -> bool:
+            return self._stopping or not self.alive
+
+        with self._snapshot_taken:
+            return self._snapshot_taken.wait_for(lambda: gone() or predicate(self._snapshot), timeout_s) and (
+                not gone()
+            )
 
     def snapshot_age_s(self) -> float:
         """How far behind the engine `snapshot()` may be: 0 while the thread waits for work (the
@@ -162,6 +177,8 @@ class EngineLoop:
     def _publish(self) -> None:
         self._snapshot = EngineSnapshot.of(self.engine, self.clock())
         self._busy_since_s = self._snapshot.taken_s  # its age counts from here while busy
+        with self._snapshot_taken:
+            self._snapshot_taken.notify_all()
         for fn in list(self._observers):
             try:
                 fn(self.engine)
@@ -174,6 +191,8 @@ class EngineLoop:
             self._stopping = True
             pending = list(self._commands)
             self._commands.clear()
+        with self._snapshot_taken:  # `wait_until` callers see the loop is gone
+            self._snapshot_taken.notify_all()
         for _, future in pending:
             if not future.done():
                 future.set_exception(RuntimeError("engine loop stopped"))

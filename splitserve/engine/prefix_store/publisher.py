@@ -5,7 +5,9 @@ retained prefix's whole state on the engine thread; `offer` only queues it. One 
 writes each under a key of its own with the handoff's piece encoding (`state_codec.encode`),
 seals it, and registers it in the store's prefix index under its hash chain and tail tokens, so
 any prefill worker that asks the store (`PrefixFetcher`) can stream it in instead of computing
-it. The store then keeps it until it must evict it (`StateStore.register`).
+it. The store then keeps it until it must evict it (`StateStore.register`). On a decode worker
+the thread first waits out any prompt the engine is computing (`PrefillYield`): a conversation's
+next turn arrives there right after the finish that retained its history.
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ import itertools
 import logging
 import queue
 import threading
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.prefix_cache.retained import RetainedPrefix
+from splitserve.engine.prefix_store.prefill_yield import PrefillYield
 from splitserve.engine.state_codec import write_host_state
 from splitserve.state.client import StateStoreClient
 
@@ -42,6 +47,7 @@ class PublisherStats:
     num_too_short: int = 0  # shorter than one prefix unit: nothing to name it by
     num_failed: int = 0  # the store refused the write or the registration
     num_bytes: int = 0  # state bytes published
+    num_held_past_wait: int = 0  # started with a prompt still waiting: the hold's wait ran out
 
 
 class PrefixPublisher:
@@ -53,11 +59,23 @@ class PrefixPublisher:
     thread (what is still queued is dropped).
     """
 
-    def __init__(self, client: StateStoreClient, worker_id: str, max_pending: int = 4) -> None:
+    def __init__(
+        self,
+        client: StateStoreClient,
+        worker_id: str,
+        max_pending: int = 4,
+        hold: Callable[[float], bool] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.client = client
         self.worker_id = worker_id
         self.stats = PublisherStats()
-        self._queue: queue.Queue[RetainedPrefix | None] = queue.Queue(max_pending)
+        # called on the thread before a publish with the time (`clock`) the prefix was offered;
+        # returns when it may start (False: its wait ran out). Skipped while others queue behind
+        # it, so a hold never lowers how many prefixes are published per second under load.
+        self.hold = hold
+        self.clock = clock
+        self._queue: queue.Queue[tuple[float, RetainedPrefix] | None] = queue.Queue(max_pending)
         self._name = uuid.uuid4().hex[:16]  # keys unique across workers, also two in one process
         self._seq = itertools.count()
         self._owns_client = False  # `attach` made the client: `close` closes it
@@ -74,7 +92,7 @@ class PrefixPublisher:
         with self._idle:
             self._busy += 1
         try:
-            self._queue.put_nowait(prefix)
+            self._queue.put_nowait((self.clock(), prefix))
         except queue.Full:
             self.stats.num_dropped += 1
             self._done()
@@ -101,13 +119,19 @@ class PrefixPublisher:
             self.client.close()
 
     @classmethod
-    def attach(cls, loop: EngineLoop, worker_id: str, store_address: str) -> PrefixPublisher | None:
+    def attach(
+        cls, loop: EngineLoop, worker_id: str, store_address: str, yield_to_prefills: bool = False
+    ) -> PrefixPublisher | None:
         """A publisher of `loop`'s engine's retained prefixes to the store at `store_address` (a
         client of its own), listening from now on; None when the engine caches no prefixes or
-        there is no store. `detach` it before the loop stops."""
+        there is no store. `yield_to_prefills` (a decode worker, whose prompts are the
+        latency-critical part of its steps): each publish waits out the prompts the engine is
+        computing (`PrefillYield`). `detach` it before the loop stops."""
         if not store_address or not loop.engine.config.enable_prefix_caching:
             return None
-        publisher = cls(StateStoreClient(store_address, timeout_s=CLIENT_TIMEOUT_S), worker_id)
+        client = StateStoreClient(store_address, timeout_s=CLIENT_TIMEOUT_S)
+        hold = PrefillYield(loop) if yield_to_prefills else None
+        publisher = cls(client, worker_id, hold=hold)  # both on time.monotonic
         publisher._owns_client = True
         loop.call(lambda e: e.set_retention_listener(publisher.offer)).result()
         return publisher
@@ -119,8 +143,11 @@ class PrefixPublisher:
         self.close()
 
     def _run(self) -> None:
-        while (prefix := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
+            offered_s, prefix = item
             try:
+                if self.hold is not None and self._queue.empty() and not self.hold(offered_s):
+                    self.stats.num_held_past_wait += 1
                 self._publish(prefix)
             except Exception as exc:  # noqa: BLE001 - a store error or a bug: count it, keep the thread
                 self.stats.num_failed += 1
