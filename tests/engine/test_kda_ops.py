@@ -9,23 +9,26 @@ from splitserve.engine.ops import kda
 from splitserve.engine.ops.kda import kda_chunked, kda_chunked_varlen, kda_recurrent_step, l2norm
 
 
-def flat_inputs(num_tokens: int, heads: int, dim: int, seed: int) -> tuple[torch.Tensor, ...]:
+def flat_inputs(
+    num_tokens: int, heads: int, dim: int, seed: int, decay_scale: float = 1.0
+) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
     q = l2norm(torch.randn(num_tokens, heads, dim, generator=gen)) * dim**-0.5
     k = l2norm(torch.randn(num_tokens, heads, dim, generator=gen))
     v = torch.randn(num_tokens, heads, dim, generator=gen)
-    g = -torch.nn.functional.softplus(torch.randn(num_tokens, heads, dim, generator=gen))
+    g = -torch.nn.functional.softplus(torch.randn(num_tokens, heads, dim, generator=gen)) * decay_scale
     beta = torch.sigmoid(torch.randn(num_tokens, heads, generator=gen))
     return q, k, v, g, beta
 
 
-@pytest.mark.parametrize("chunk_size", [4, 16])
-def test_varlen_equals_the_recurrence_row_by_row(chunk_size):
+@pytest.mark.parametrize(("chunk_size", "decay_scale"), [(4, 1.0), (16, 1.0), (16, 40.0)])
+def test_varlen_equals_the_recurrence_row_by_row(chunk_size, decay_scale):
+    """decay_scale 40: log-decays whose sums within a chunk overflow exp the other way round."""
     lengths = [37, 5, 20, 16, 1]
     starts = [3 + sum(lengths[:i]) for i in range(len(lengths))]  # tokens 0..2 belong to no row
     num_tokens = 3 + sum(lengths) + 2
     heads, dim = 2, 8
-    q, k, v, g, beta = flat_inputs(num_tokens, heads, dim, seed=0)
+    q, k, v, g, beta = flat_inputs(num_tokens, heads, dim, seed=0, decay_scale=decay_scale)
     state = torch.randn(len(lengths), heads, dim, dim, generator=torch.Generator().manual_seed(1))
     out = torch.full((num_tokens, heads, dim), 7.0)
     _, final = kda_chunked_varlen(q, k, v, g, beta, state, starts, lengths, out, chunk_size=chunk_size)

@@ -139,23 +139,28 @@ def kda_chunked_varlen(
     sorted_lengths = torch.tensor([lengths[r] for r in order], device=dev)
     real = offset < sorted_lengths[row_of].unsqueeze(1)
     index = torch.where(real, sorted_starts[row_of].unsqueeze(1) + offset, num_tokens)  # T: a zero row
-
-    def packed(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [NC*H, C, D], padding zero
-        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])[index]  # [NC, C, H, D]
-        return x.transpose(1, 2).reshape(-1, chunk_size, x.shape[-1])
-
+    # every input in one [T + 1, H, W] buffer (last row zero), gathered once straight into packed
+    # order [NC, H, C, W] through its (token, head) rows, then split into views: one copy in all
+    widths = [dk, dk, dv, dk, 1]
+    inputs = q.new_zeros(num_tokens + 1, heads, sum(widths))
+    torch.cat([q, k, v, g, beta.unsqueeze(-1)], dim=-1, out=inputs[:num_tokens])
+    heads_t = torch.arange(heads, device=dev).view(1, heads, 1)
+    pair = (index.unsqueeze(1) * heads + heads_t).view(-1)  # [NC * H * C] rows of inputs.view(-1, W)
+    chunks = inputs.view(-1, inputs.shape[-1]).index_select(0, pair).view(-1, chunk_size, sum(widths))
+    q_p, k_p, v_p, g_p, beta_p = chunks.split(widths, dim=-1)
     order_t = torch.tensor(order, device=dev)
     chunk_out, final = _chunk_scan(
-        packed(q),
-        packed(k),
-        packed(v),
-        packed(g),
-        packed(beta.unsqueeze(-1)).squeeze(-1),
+        q_p,
+        k_p,
+        v_p,
+        g_p,
+        beta_p.squeeze(-1),
         state[order_t].reshape(rows * heads, dk, dv),
         [n * heads for n in rows_per_step],
     )
     flat = q.new_zeros(num_tokens, heads, dv) if out is None else out
-    flat[index[real]] = chunk_out.view(-1, heads, chunk_size, dv).transpose(1, 2)[real]
+    kept = real.unsqueeze(1).expand(-1, heads, -1).reshape(-1).nonzero().squeeze(1)  # non-padding
+    flat.view(-1, dv).index_copy_(0, pair[kept], chunk_out.view(-1, dv).index_select(0, kept))
     new_state = torch.empty_like(state)
     new_state[order_t] = final.view(rows, heads, dk, dv)
     return flat, new_state
@@ -178,17 +183,17 @@ def _chunk_scan(
     """
     chunk = k.shape[1]
     g = g.cumsum(dim=1)
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    # decay[m, i, j, d] = exp(G_i - G_j) for j <= i, masked to -inf above before exp (no overflow)
-    decay = g.unsqueeze(2) - g.unsqueeze(1)
-    decay.masked_fill_(causal.logical_not().unsqueeze(-1), float("-inf")).exp_()
+    # decay[m, i, j, d] = exp(G_i - G_j), wanted for j <= i only. No mask pass: above the
+    # diagonal it may overflow (inf, and inf * 0 = nan), but score (i, j) below reads only
+    # decay[m, i, j] (row j of a matmul) and tril drops every score above the diagonal.
+    decay = (g.unsqueeze(2) - g.unsqueeze(1)).exp_()
     decay.mul_(k.unsqueeze(1))  # times k_j: one [M, C, C, Dk] tensor serves both score matrices
     k_beta = k * beta.unsqueeze(-1)
     # scores[m, i, j, 0] = beta_i k_i . (k_j exp(G_i - G_j)); [.., 1] the same with q_i: one matmul
     scores = decay @ torch.stack([k_beta, q], dim=-1)  # [M, C, C, Dk] @ [M, C, Dk, 2] -> [M, C, C, 2]
     del decay
     a = scores[..., 0].tril(-1)
-    intra = scores[..., 1].contiguous()  # zero above the diagonal already
+    intra = scores[..., 1].tril()
     # T = (I + A)^-1 (forward substitution), then the WY transform of values and keys
     eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
     t = torch.linalg.solve_triangular(a + eye, eye.expand_as(a), upper=False, unitriangular=True)
