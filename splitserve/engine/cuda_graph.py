@@ -21,6 +21,7 @@ import torch
 
 from splitserve.engine.cuda_graph_plan import DecodePadding
 from splitserve.engine.forward_batch import ForwardBatch, TokenGroup
+from splitserve.engine.host_pack import HostPack, block_tables, long_tensor
 from splitserve.engine.model.kimi_linear import KimiLinearForCausalLM, LayerCaches
 from splitserve.engine.request import Request
 
@@ -122,18 +123,18 @@ class DecodeGraphs:
         rows (token 0 at position 0 on the scratch block and slot) up to `size` rows."""
         num_pad = size - len(requests)
         width = max([1, *(-(-(r.num_computed_tokens + 1) // self.block_size) for r in requests)])
-        tables = torch.full((size, width), self.padding.scratch_block, dtype=torch.long)
-        for i, r in enumerate(requests):
-            table = r.block_table[:width]
-            tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
-        ids = [r.token_at(r.num_computed_tokens) for r in requests] + [0] * num_pad
-        positions = [r.num_computed_tokens for r in requests] + [0] * num_pad
-        slots = [_slot(r) for r in requests] + [self.padding.scratch_slot] * num_pad
+        tables = [r.block_table for r in requests] + [[]] * num_pad
+        pack = HostPack()  # one host-to-device copy for all four buffers
+        table_id = pack.add(block_tables(tables, width, fill=self.padding.scratch_block))
+        ids = pack.add(long_tensor([r.token_at(r.num_computed_tokens) for r in requests] + [0] * num_pad))
+        positions = pack.add(long_tensor([r.num_computed_tokens for r in requests] + [0] * num_pad))
+        slots = pack.add(long_tensor([_slot(r) for r in requests] + [self.padding.scratch_slot] * num_pad))
+        pack.to(self.device)
         # columns past `width` keep an earlier step's block ids: valid rows, never read (query_pos)
-        self.block_tables[:size, :width].copy_(tables)
-        self.input_ids[:size].copy_(torch.tensor(ids, dtype=torch.long))
-        self.positions[:size].copy_(torch.tensor(positions, dtype=torch.long))
-        self.slots[:size].copy_(torch.tensor(slots, dtype=torch.long))
+        self.block_tables[:size, :width].copy_(pack.get(table_id).view(size, width))
+        self.input_ids[:size].copy_(pack.get(ids))
+        self.positions[:size].copy_(pack.get(positions))
+        self.slots[:size].copy_(pack.get(slots))
 
 
 def _slot(request: Request) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import array
 import itertools
 import logging
 from collections.abc import Callable
@@ -13,6 +12,7 @@ import torch
 from splitserve.engine.cuda_graph import DecodeGraphs
 from splitserve.engine.cuda_graph_plan import DecodePadding
 from splitserve.engine.forward_batch import ForwardBatch, TokenGroup
+from splitserve.engine.host_pack import HostPack, block_tables, long_tensor
 from splitserve.engine.model.kimi_linear import KimiLinearForCausalLM, LayerCaches
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler, SamplingRow
@@ -155,7 +155,7 @@ class ModelRunner:
         scratch KV row and state slot; they sample nothing), then `multis`.
 
         Host work is per row, not per token (a prompt chunk's ids are one list slice, its KV rows
-        one vectorised lookup), and every index goes to the device in one copy (`_HostPack`); the
+        one vectorised lookup), and every index goes to the device in one copy (`HostPack`); the
         context's KV rows are expanded from the block tables there, not on the host.
         """
         rows = [_Row.of(s) for s in singles]
@@ -172,11 +172,11 @@ class ModelRunner:
             slot_mapping.append(row.kv_rows(self.block_size))
             if row.samples:
                 logits_indices.append(len(input_ids) - 1)
-        pack = _HostPack()
+        pack = HostPack()
         flat = [
-            pack.add(_long(input_ids)),
+            pack.add(long_tensor(input_ids)),
             pack.add(torch.cat(slot_mapping)),
-            pack.add(_long(logits_indices)),
+            pack.add(long_tensor(logits_indices)),
         ]
         single = self._group(rows, 0, pack) if rows else None
         multi = self._group(multi_rows, len(rows), pack) if multi_rows else None
@@ -186,7 +186,7 @@ class ModelRunner:
         batch.multi = multi.build(pack) if multi is not None else None
         return batch
 
-    def _group(self, rows: list[_Row], offset: int, pack: _HostPack) -> _GroupPlan:
+    def _group(self, rows: list[_Row], offset: int, pack: HostPack) -> _GroupPlan:
         """Queue one token group's host integers (per row, and the block tables) into `pack`."""
         lengths = [r.num_new for r in rows]
         computed = [r.num_computed for r in rows]
@@ -194,19 +194,16 @@ class ModelRunner:
         max_len = max(lengths)
         max_ctx = max(c + n for c, n in zip(computed, lengths))
         max_blocks = -(-max_ctx // self.block_size)
-        tables = array.array("q", bytes(8 * len(rows) * max_blocks))  # zeros: padding blocks
-        for i, r in enumerate(rows):
-            table = r.block_table[:max_blocks]
-            tables[i * max_blocks : i * max_blocks + len(table)] = array.array("q", table)
+        tables = block_tables([r.block_table for r in rows], max_blocks)  # zeros: padding blocks
         slot_ids = [r.slot for r in rows]
-        per_row = pack.add(_long(computed + lengths + starts + slot_ids))
-        table_id = pack.add(torch.frombuffer(tables, dtype=torch.long))
+        per_row = pack.add(long_tensor(computed + lengths + starts + slot_ids))
+        table_id = pack.add(tables)
         valid_id = None
         if any(n != max_len for n in lengths):  # the real tokens' flat positions, for gathers without a mask
             valid = itertools.chain.from_iterable(
                 range(b * max_len, b * max_len + n) for b, n in enumerate(lengths)
             )
-            valid_id = pack.add(_long(list(valid)))
+            valid_id = pack.add(long_tensor(list(valid)))
         return _GroupPlan(
             lengths,
             starts,
@@ -223,7 +220,7 @@ class ModelRunner:
 
 @dataclass
 class _GroupPlan:
-    """A token group whose host integers wait in a `_HostPack`; `build` derives the rest on the device."""
+    """A token group whose host integers wait in a `HostPack`; `build` derives the rest on the device."""
 
     lengths: list[int]
     starts: list[int]
@@ -236,7 +233,7 @@ class _GroupPlan:
     tables_id: int
     valid_id: int | None
 
-    def build(self, pack: _HostPack) -> TokenGroup:
+    def build(self, pack: HostPack) -> TokenGroup:
         num_rows, bs = len(self.lengths), self.block_size
         computed, len_t, starts, slots = pack.get(self.per_row_id).view(4, num_rows)
         tables = pack.get(self.tables_id).view(num_rows, self.max_blocks)
@@ -257,30 +254,6 @@ class _GroupPlan:
             valid_index=None if self.valid_id is None else pack.get(self.valid_id),
             starts=self.starts,
         )
-
-
-class _HostPack:
-    """Host int64 tensors queued for the device and sent in one copy: a step's indices cost one
-    host-to-device transfer instead of one each (each a driver call, and a wait for pageable memory)."""
-
-    def __init__(self) -> None:
-        self._pieces: list[torch.Tensor] = []
-        self._views: list[torch.Tensor] = []
-
-    def add(self, piece: torch.Tensor) -> int:
-        self._pieces.append(piece)
-        return len(self._pieces) - 1
-
-    def to(self, device: torch.device) -> None:
-        flat = torch.cat(self._pieces).to(device)
-        self._views = list(flat.split([p.numel() for p in self._pieces]))
-
-    def get(self, piece_id: int) -> torch.Tensor:
-        return self._views[piece_id]
-
-
-def _long(values: list[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long)
 
 
 @dataclass
@@ -304,7 +277,7 @@ class _Row:
         """The KV pool row each new token is written to."""
         start = self.num_computed
         if self.num_new == 1:
-            return _long([self.block_table[start // block_size] * block_size + start % block_size])
+            return long_tensor([self.block_table[start // block_size] * block_size + start % block_size])
         positions = torch.arange(start, start + self.num_new, dtype=torch.long)
         blocks = torch.tensor(self.block_table[: -(-(start + self.num_new) // block_size)], dtype=torch.long)
         return blocks[positions // block_size] * block_size + positions % block_size

@@ -33,6 +33,21 @@ def runner(tiny_model_path) -> ModelRunner:
     return LLM(model=str(tiny_model_path), dtype="float32", max_model_len=512).engine.runner
 
 
+@pytest.fixture
+def device_copies(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
+    """The arguments of every `Tensor.to` call naming a device, from now until the test ends."""
+    copies: list[tuple[Any, ...]] = []
+    to = torch.Tensor.to
+
+    def counting_to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if any(isinstance(a, torch.device) for a in (*args, *kwargs.values())):
+            copies.append(args)
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", counting_to)
+    return copies
+
+
 def _request(i: int, num_tokens: int, num_computed: int, slot: int, first_block: int) -> Request:
     request = Request(f"r{i}", [3 + (7 * i + j) % 500 for j in range(num_tokens)], SamplingParams(), 4, i)
     request.num_computed_tokens, request.state_slot = num_computed, slot
@@ -77,17 +92,9 @@ def test_mixed_step_forward_has_no_host_sync_on_the_cuda_paths(runner, monkeypat
     assert tuple(hidden.shape) == (4, runner.model.config.hidden_size)  # 2 decodes, 2 last chunks sample
 
 
-def test_a_step_sends_its_indices_to_the_device_in_one_copy(runner, monkeypatch):
-    copies = []
-    to = torch.Tensor.to
-
-    def counting_to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        copies.append(args)
-        return to(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "to", counting_to)
+def test_a_step_sends_its_indices_to_the_device_in_one_copy(runner, device_copies):
     runner.build_batch(*_mixed_step())
-    assert len(copies) == 1
+    assert len(device_copies) == 1
 
 
 def _reference_group(rows: list[tuple[int, int, list[int], int]], offset: int) -> dict[str, torch.Tensor]:
@@ -170,3 +177,23 @@ def test_request_token_ids_slices_prompt_and_outputs():
     for start in range(6):
         for stop in range(start, 6):
             assert request.token_ids(start, stop) == [request.token_at(p) for p in range(start, stop)]
+
+
+def test_graph_load_fills_the_static_buffers_in_one_copy(tiny_model_path, device_copies):
+    from splitserve.engine.cuda_graph import DecodeGraphs
+
+    engine = LLM(
+        model=str(tiny_model_path), dtype="float32", max_model_len=256, pad_decode_batches=True
+    ).engine
+    assert engine.padding is not None
+    scratch_block, scratch_slot = engine.padding.scratch_block, engine.padding.scratch_slot
+    graphs = DecodeGraphs(engine.model, engine.caches, engine.padding, BLOCK_SIZE, 256, torch.device("cpu"))
+    requests = [_request(0, 21, 20, 0, 0), _request(1, 4, 3, 1, 2), _request(2, 41, 40, 2, 3)]
+    graphs.load(requests, 4)  # three rows and one padding row
+    assert len(device_copies) == 1
+    assert graphs.input_ids[:4].tolist() == [r.token_at(r.num_computed_tokens) for r in requests] + [0]
+    assert graphs.positions[:4].tolist() == [20, 3, 40, 0]
+    assert graphs.slots[:4].tolist() == [0, 1, 2, scratch_slot]
+    width = 3  # blocks of the longest context, 41 tokens
+    want = [(r.block_table + [scratch_block] * width)[:width] for r in requests] + [[scratch_block] * width]
+    assert graphs.block_tables[:4, :width].tolist() == want
