@@ -27,6 +27,7 @@ def stub_triton_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(paged_mla, "mla_backend", lambda device: "triton")
     monkeypatch.setattr(paged_mla_triton, "_kernel", lambda: NoLaunch())
     monkeypatch.setattr(fused_moe, "_launch", lambda *args, **kwargs: None)
+    monkeypatch.setattr(fused_moe, "_align_kernel", lambda: NoLaunch())
 
     def experts_fused(
         self: moe.Experts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor

@@ -57,6 +57,18 @@ def test_torch_reference_matches_per_token_oracle(
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+def _run_interpreted(script: str) -> subprocess.CompletedProcess[str]:
+    """Run `script` with TRITON_INTERPRET=1 in a subprocess (the interpreter must be on before triton
+    is imported); fails the test if it fails."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
 _INTERPRETER_CHECK = textwrap.dedent(
     """
     import torch
@@ -79,13 +91,55 @@ _INTERPRETER_CHECK = textwrap.dedent(
 def test_triton_kernel_under_the_interpreter_matches_the_reference() -> None:
     """Odd sizes (not multiples of the tiles), one token, top-3, and every token on the same experts."""
     pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root}
-    proc = subprocess.run(
-        [sys.executable, "-c", _INTERPRETER_CHECK], env=env, cwd=root, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = _run_interpreted(_INTERPRETER_CHECK)
     assert proc.stdout.count("ok") == 5, proc.stdout
+
+
+_ALIGN_CHECK = textwrap.dedent(
+    """
+    import torch
+    from splitserve.engine.ops.fused_moe import align_by_expert, align_by_expert_triton
+
+    gen = torch.Generator().manual_seed(0)
+    cases = [(1, 8, 2, 16), (5, 4, 2, 16), (70, 8, 2, 16), (40, 4, 3, 64), (33, 8, 2, 16),
+             (300, 16, 4, 64), (64, 256, 8, 16), (7, 3, 2, 16), (1000, 16, 2, 64)]
+    for num_tokens, num_experts, top_k, block_m in cases:
+        scores = torch.randn(num_tokens, num_experts, generator=gen)
+        if num_tokens == 33:  # every token on the same experts: one long run, the others empty
+            scores[:, :top_k] += 100.0
+        expert_ids = scores.topk(top_k, dim=-1)[1]
+        want = align_by_expert(expert_ids, num_experts, block_m)
+        got = align_by_expert_triton(expert_ids, num_experts, block_m)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and torch.equal(g, w), (num_tokens, num_experts, top_k, block_m, g, w)
+        print("ok", num_tokens, num_experts, top_k, block_m)
+    """
+)
+
+
+def test_alignment_kernel_under_the_interpreter_equals_the_torch_alignment() -> None:
+    """Exactly the same sorted pairs and block experts: odd counts, empty experts, 256 experts, top-8."""
+    pytest.importorskip("triton")
+    proc = _run_interpreted(_ALIGN_CHECK)
+    assert proc.stdout.count("ok") == 9, proc.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k"), [(1, 256, 8), (64, 256, 8), (64, 16, 2)])
+def test_alignment_kernel_on_cuda_equals_the_torch_alignment(
+    num_tokens: int, num_experts: int, top_k: int
+) -> None:
+    from splitserve.engine.ops.fused_moe import align_by_expert, align_by_expert_triton
+
+    scores = torch.randn(num_tokens, num_experts, generator=torch.Generator().manual_seed(num_tokens))
+    expert_ids = scores.topk(top_k, dim=-1)[1].cuda()
+    for block_m in (16, 64):
+        for got, want in zip(
+            align_by_expert_triton(expert_ids, num_experts, block_m),
+            align_by_expert(expert_ids, num_experts, block_m),
+        ):
+            assert torch.equal(got, want)
 
 
 @pytest.mark.gpu
@@ -95,9 +149,7 @@ def test_triton_kernel_on_real_shapes_matches_the_reference(num_tokens: int) -> 
     """Kimi-Linear-48B's expert shapes (256 experts, top-8, H 2304, I 1024) in bf16."""
     from splitserve.engine.ops.fused_moe import fused_moe
 
-    x, w13, w2, weights, expert_ids = (
-        t.cuda() for t in make_case(num_tokens, 256, 2304, 1024, 8)
-    )
+    x, w13, w2, weights, expert_ids = (t.cuda() for t in make_case(num_tokens, 256, 2304, 1024, 8))
     x, w13, w2 = x.bfloat16(), w13.bfloat16(), w2.bfloat16()
     got = fused_moe(x, w13, w2, weights, expert_ids).float()
     want = moe_experts_torch(x.float(), w13.float(), w2.float(), weights, expert_ids)

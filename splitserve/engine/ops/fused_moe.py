@@ -14,10 +14,13 @@ Set `TRITON_INTERPRET=1` before the first import to run the kernel on CPU tensor
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -42,7 +45,9 @@ def align_by_expert(
     flat = expert_ids.reshape(-1)
     num_pairs, dev = flat.numel(), flat.device
     # not bincount: on CUDA it reads the largest id back to the host to size its output
-    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
     padded = (counts + block_m - 1) // block_m * block_m
     run_ends = padded.cumsum(0)
     order = flat.argsort(stable=True)
@@ -57,6 +62,53 @@ def align_by_expert(
     return sorted_pairs, block_expert
 
 
+# `fused_moe` aligns with one Triton launch instead of ~20 torch ops (each a launch, ~50 us of host
+# time eagerly and a few us of device time in a graph) while pairs x experts (rounded up to a power of
+# two) stays under this: each of its programs compares every pair with every expert, which stops
+# paying for large prefill steps (the torch ops' sort scales better there).
+ALIGN_KERNEL_MAX_WORK = 1 << 17
+_align_kernel_failed = False
+
+
+def align_by_expert_triton(
+    expert_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align_by_expert`'s exact result from two fills and one launch (one program per expert: it
+    counts every expert's pairs, so it knows where its padded run starts, then writes its pairs in
+    order and its blocks' expert id); no host sync, so a CUDA graph can hold it."""
+    import triton
+
+    flat = expert_ids.reshape(-1).contiguous()
+    num_pairs, dev = flat.numel(), flat.device
+    num_blocks = -(-(num_pairs + num_experts * (block_m - 1)) // block_m)
+    sorted_pairs = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.long, device=dev)
+    block_expert = torch.full((num_blocks,), -1, dtype=torch.long, device=dev)
+    block_e = triton.next_power_of_2(num_experts)
+    _align_kernel()[(num_experts,)](
+        flat,
+        sorted_pairs,
+        block_expert,
+        num_pairs,
+        BLOCK_M=block_m,
+        BLOCK_P=max(16, 8192 // block_e),
+        BLOCK_E=block_e,
+    )
+    return sorted_pairs, block_expert
+
+
+def _align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton alignment for small calls, the torch one otherwise or once the kernel failed to build."""
+    global _align_kernel_failed
+    work = expert_ids.numel() * (1 << (num_experts - 1).bit_length())
+    if work <= ALIGN_KERNEL_MAX_WORK and not _align_kernel_failed:
+        try:
+            return align_by_expert_triton(expert_ids, num_experts, block_m)
+        except Exception:  # a build error costs launches, not the step: the torch path is exact too
+            logger.exception("the MoE alignment kernel failed; aligning with torch ops from now on")
+            _align_kernel_failed = True
+    return align_by_expert(expert_ids, num_experts, block_m)
+
+
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
 ) -> torch.Tensor:
@@ -68,7 +120,7 @@ def fused_moe(
     if num_pairs == 0:
         return torch.zeros_like(x)
     block_m = 16 if num_pairs <= 16 * num_experts else 64
-    sorted_pairs, block_expert = align_by_expert(expert_ids, num_experts, block_m)
+    sorted_pairs, block_expert = _align(expert_ids, num_experts, block_m)
     x = x.contiguous()
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     _launch(x, w13, h, sorted_pairs, block_expert, num_pairs, inter, hidden, top_k, block_m, None)
@@ -188,3 +240,44 @@ def _kernel() -> Callable[..., Any]:
             )
 
     return grouped_gemm
+
+
+@functools.cache
+def _align_kernel() -> Callable[..., Any]:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def align(
+        expert_ids_ptr,
+        sorted_pairs_ptr,
+        block_expert_ptr,
+        num_pairs,
+        BLOCK_M: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+    ):
+        expert = tl.program_id(0)
+        offs_e = tl.arange(0, BLOCK_E)
+        counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for p0 in range(0, num_pairs, BLOCK_P):
+            offs = p0 + tl.arange(0, BLOCK_P)
+            ids = tl.load(expert_ids_ptr + offs, mask=offs < num_pairs, other=-1)
+            counts += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        start = tl.sum(tl.where(offs_e < expert, padded, 0))  # where this expert's padded run begins
+        num_blocks = tl.sum(tl.where(offs_e == expert, padded, 0)) // BLOCK_M
+        seen = 0
+        for p0 in range(0, num_pairs, BLOCK_P):  # this expert's pairs, in pair order (a stable sort)
+            offs = p0 + tl.arange(0, BLOCK_P)
+            ids = tl.load(expert_ids_ptr + offs, mask=offs < num_pairs, other=-1)
+            mine = (ids == expert).to(tl.int32)
+            rank = seen + tl.cumsum(mine, axis=0) - 1
+            tl.store(sorted_pairs_ptr + start + rank, offs.to(tl.int64), mask=mine > 0)
+            seen += tl.sum(mine, axis=0)
+        for b0 in range(0, num_blocks, BLOCK_M):
+            offs_b = b0 + tl.arange(0, BLOCK_M)
+            value = tl.zeros([BLOCK_M], dtype=tl.int64) + expert
+            tl.store(block_expert_ptr + start // BLOCK_M + offs_b, value, mask=offs_b < num_blocks)
+
+    return align
