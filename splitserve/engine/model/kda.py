@@ -115,15 +115,19 @@ class KimiDeltaAttention(nn.Module):
     def _conv_chunk(
         self, mixed: torch.Tensor, group: TokenGroup, conv_state: torch.Tensor, out: torch.Tensor
     ) -> None:
+        # rows gathered and scattered by index_select / index_copy_: on the CPU several times faster
+        # than advanced indexing and index_put_ (which cost more here than the conv itself)
         keep = self.kernel_size - 1
-        slots = group.state_slots
-        padded = mixed[group.token_index] * group.valid.unsqueeze(-1)  # [B, L, C]
-        seq = torch.cat([conv_state[slots], padded.transpose(1, 2)], dim=-1)  # [B, C, K-1+L]
+        slots, index = group.state_slots, group.token_index
+        padded = mixed.index_select(0, index.view(-1)).view(*index.shape, -1)  # [B, L, C]
+        padded.mul_(group.valid.unsqueeze(-1))
+        seq = torch.cat([conv_state.index_select(0, slots), padded.transpose(1, 2)], dim=-1)  # [B, C, K-1+L]
         conv = F.conv1d(seq, self.conv_weight.unsqueeze(1), groups=seq.shape[1])  # [B, C, L]
-        out[group.real_token_index()] = F.silu(group.real_tokens(conv.transpose(1, 2)))  # no mask: no sync
+        real = F.silu(group.real_tokens(conv.transpose(1, 2)))  # no mask: no sync
+        out.index_copy_(0, group.real_token_index(), real)
         lengths = group.valid.sum(dim=1)  # on the device: no host tensor copied in per layer
         cols = lengths.view(-1, 1) + torch.arange(keep, device=seq.device)  # last K-1 real inputs
-        conv_state[slots] = seq.gather(2, cols.unsqueeze(1).expand(-1, seq.shape[1], -1))
+        conv_state.index_copy_(0, slots, seq.gather(2, cols.unsqueeze(1).expand(-1, seq.shape[1], -1)))
 
     def _delta_chunk(
         self,

@@ -43,9 +43,12 @@ def moe_experts_torch(
 
 
 def _per_expert_mm(rows: torch.Tensor, w: torch.Tensor, counts: list[int], out: torch.Tensor) -> None:
-    """`out[run of e] = rows[run of e] @ w[e].T` for each expert's contiguous run of rows."""
-    start = 0
-    for expert, count in enumerate(counts):
+    """`out[run of e] = rows[run of e] @ w[e].T` for each expert's contiguous run of rows.
+
+    The runs and the transposed weights are split into views once (three ops, not a slice and a
+    transpose per expert): at small batches the per-op overhead, not the matmuls, is the cost.
+    """
+    runs, outs = rows.split(counts), out.split(counts)
+    for rows_e, w_t, out_e, count in zip(runs, w.transpose(1, 2).unbind(0), outs, counts):
         if count:
-            torch.mm(rows[start : start + count], w[expert].t(), out=out[start : start + count])
-            start += count
+            torch.mm(rows_e, w_t, out=out_e)
