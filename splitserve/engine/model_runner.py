@@ -92,11 +92,12 @@ class ModelRunner:
             hidden = self.model(batch, self.caches)
         if not sampling:
             return StepResult({}, {})
-        logits = self.model.compute_logits(hidden)
         rows = [
             SamplingRow(s.request.params, s.request.prompt_token_ids, s.request.output_token_ids)
             for s in sampling
         ]
+        self.sampler.prepare(rows)  # seeded rows' host-drawn noise, while the forward runs on the device
+        logits = self.model.compute_logits(hidden)
         out = self.sampler(logits, rows)
         ids = {s.request.request_id: t for s, t in zip(sampling, out.token_ids)}
         lps: dict[str, dict[int, float]] = {}

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.engine.seeded_noise import SeededNoise
 from splitserve.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -176,15 +177,34 @@ class Sampler:
         eos_token_ids: Sequence[int],
         device: torch.device | str = "cpu",
         base_seed: int = 0,
+        noise_ahead: bool | None = None,
     ) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self.device = torch.device(device)
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(base_seed)
-        self._seeded_generator = torch.Generator()  # re-seeded for every seeded draw
+        self._seeded_noise = SeededNoise(vocab_size, self.device, noise_ahead)
+
+    def prepare(self, rows: Sequence[SamplingRow]) -> None:
+        """Before the logits exist (the forward still running on the device): draw the seeded rows'
+        noise now, so that host work overlaps the device's (engine/seeded_noise.py). Optional: a
+        call without it draws the same noise itself."""
+        self._seeded_noise.prepare(
+            [
+                draw_seed(row.params.seed, len(row.output_token_ids))
+                for row in rows
+                if row.params.seed is not None and not _is_greedy(row.params)
+            ]
+        )
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        try:
+            return self._sample(logits, rows)
+        finally:
+            self._seeded_noise.clear()  # prepared noise serves this call only
+
+    def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         self._check(logits, rows)
         params = [row.params for row in rows]
         wants_logprobs = any(p.logprobs is not None for p in params)
@@ -315,11 +335,7 @@ class Sampler:
         if len(seeded) < len(seeds):
             q.uniform_(generator=self._generator).log_().neg_().clamp_min_(_TINY)
         if seeded:
-            uniform = torch.empty(len(seeded), self.vocab_size, dtype=torch.float32)
-            for j, i in enumerate(seeded):
-                self._seeded_generator.manual_seed(seeds[i])  # type: ignore[arg-type]
-                uniform[j].uniform_(generator=self._seeded_generator)
-            noise = uniform.log_().neg_().clamp_min_(_TINY).to(self.device)
+            noise = self._seeded_noise.draw([seeds[i] for i in seeded])  # type: ignore[misc]
             if ids is not None:
                 noise = noise.gather(1, _take(ids, seeded))
             q = noise if len(seeded) == len(seeds) else q.index_copy_(0, _index(seeded, q.device), noise)
