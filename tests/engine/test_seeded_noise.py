@@ -16,6 +16,7 @@ def test_prepared_noise_equals_noise_drawn_on_demand():
     ahead = SeededNoise(VOCAB, torch.device("cpu"), ahead=True)
     on_demand = SeededNoise(VOCAB, torch.device("cpu"))
     ahead.prepare([11, 7, 11, 5])
+    assert sorted(ahead._prepared) == [5, 7, 11]  # drawn ahead, once per seed: what `draw` serves next
     for seeds in ([11, 7, 5], [5, 11], [7]):
         assert torch.equal(ahead.draw(seeds), on_demand.draw(seeds))
     ahead.clear()
