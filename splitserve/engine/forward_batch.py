@@ -37,6 +37,9 @@ class TokenGroup:
     slot_ids: list[int] = field(default_factory=list)  # state_slots on the host (ReplaySSM's ring counts)
     valid_index: torch.Tensor | None = None  # [num real tokens] long, see above; None: all full or unknown
     starts: list[int] = field(default_factory=list)  # token_index[:, 0] on the host (empty: unknown)
+    # what attention layers derive from the group once per step and share (e.g. the torch MLA
+    # path's additive causal mask): filled by the ops, keyed by them
+    derived: dict[object, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_rows(self) -> int:

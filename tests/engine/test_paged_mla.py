@@ -103,6 +103,23 @@ def test_torch_reference_in_query_chunks_equals_one_call():
     torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
 
 
+def test_layers_of_a_step_share_one_additive_mask():
+    """The second MLA layer of a step reads the mask the first built, and gets the same answer
+    as a group that builds its own (a stale or wrong shared mask would change the output)."""
+    q, pool, group = make_case([5, 0], [6, 11], 2, 16, 8)
+    first, second = torch.zeros(q.shape[0], 2, 16), torch.zeros(q.shape[0], 2, 16)
+    paged_mla_torch(q, pool, group, 16, 0.3, first)
+    assert len(group.derived) == 1
+    mask = next(iter(group.derived.values()))
+    paged_mla_torch(q * 0.5, pool, group, 16, 0.3, second)
+    assert len(group.derived) == 1 and next(iter(group.derived.values())) is mask
+    _, _, fresh_group = make_case([5, 0], [6, 11], 2, 16, 8)
+    expected = torch.zeros_like(second)
+    paged_mla_torch(q * 0.5, pool, fresh_group, 16, 0.3, expected)
+    torch.testing.assert_close(second, expected, rtol=0, atol=0)
+    torch.testing.assert_close(first.double(), naive(q, pool, group, 16, 0.3), rtol=1e-5, atol=1e-5)
+
+
 def interpreted_errors() -> dict[str, float]:
     """Run in a subprocess with TRITON_INTERPRET=1: the kernel's largest error against the torch
     path per case. (Triton picks interpreter or compiler when it is imported, and another test

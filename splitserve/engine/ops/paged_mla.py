@@ -84,11 +84,27 @@ def paged_mla_torch(
     for start in range(0, length, chunk):
         stop = min(length, start + chunk)
         q = q_full[group.token_index[:, start:stop]].transpose(1, 2)  # [B, H, num, D]
-        visible = positions.view(1, 1, -1) <= query_pos[:, start:stop].unsqueeze(-1)  # [B, num, K]
-        o = F.scaled_dot_product_attention(q, keys, keys, attn_mask=visible.unsqueeze(1), scale=scale)
+        if chunk == length > 1:  # one chunk: every MLA layer of the step shares its additive mask
+            mask = _shared_mask(group, positions, q.dtype)
+        else:
+            mask = (positions.view(1, 1, -1) <= query_pos[:, start:stop].unsqueeze(-1)).unsqueeze(1)
+        o = F.scaled_dot_product_attention(q, keys, keys, attn_mask=mask, scale=scale)
         o = o[..., :rank].transpose(1, 2)  # [B, num, H, rank]
         if stop - start == length == 1:
             out_latent[group.token_index[:, 0]] = o[:, 0]
             continue
         valid = group.valid[:, start:stop]
         out_latent[group.token_index[:, start:stop][valid]] = o[valid]
+
+
+def _shared_mask(group: TokenGroup, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The group's additive causal mask [B, 1, L, K] (0 where visible, -inf elsewhere), built by
+    the step's first MLA layer and kept on the group for the others: the kernel then neither
+    compares positions nor converts a boolean mask per layer (~1 ms a layer at 257 x 1.4k)."""
+    key = ("mla_additive_mask", dtype, positions.numel())
+    mask = group.derived.get(key)
+    if mask is None:
+        hidden = positions.view(1, 1, -1) > group.query_pos.unsqueeze(-1)  # [B, L, K]
+        mask = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(hidden, float("-inf"))
+        mask = group.derived[key] = mask.unsqueeze(1)
+    return mask
