@@ -35,31 +35,13 @@ from frontend.openai_responses import (
     TopLogprob,
     UsageInfo,
 )
+from frontend.prompt_shape import INT32_MAX, Prompt, integral
 from frontend.request_checks import check_raw_request, log_unknown_fields
 from splitserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
-INT32_MAX = 2**31 - 1  # the largest value of a protobuf int32 field (top_k, token ids, max_tokens ...)
-
-
-def _integral(value: Any) -> Any:
-    """JSON Schema counts 5.0 as an integer, and the document says `integer`: take it as 5.
-    (Strings and booleans stay refused: the models are strict.)"""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
 # The bounds first, the validator after: so the schema says minimum/maximum (pydantic writes a
 # constraint outside a validated type as `ge`/`le`, which JSON Schema does not know).
-Int32 = Annotated[int, Field(ge=-(2**31), le=INT32_MAX), BeforeValidator(_integral)]
-TokenId = Annotated[int, Field(ge=0, le=INT32_MAX), BeforeValidator(_integral)]
-# The schema says what `_prompt_shape` enforces: nothing empty.
-Prompt = (
-    Annotated[str, Field(min_length=1)]
-    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
-    | Annotated[list[TokenId], Field(min_length=1)]
-    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
-)
+Int32 = Annotated[int, Field(ge=-(2**31), le=INT32_MAX), BeforeValidator(integral)]
 # Roles a chat message may have. OpenAI's "tool" and "function" answer tool calls, unsupported here.
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 MAX_STOP_STRINGS = 16  # the gateway searches the text for each after every token
@@ -90,7 +72,7 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: Annotated[int, Field(ge=0, le=2**63 - 1), BeforeValidator(_integral)] | None = None
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1), BeforeValidator(integral)] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
@@ -110,7 +92,7 @@ class _Request(BaseModel):
     return_tokens_as_token_ids: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    stop_token_ids: list[Annotated[int, Field(le=INT32_MAX), BeforeValidator(_integral)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(le=INT32_MAX), BeforeValidator(integral)]] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -182,26 +164,6 @@ class CompletionRequest(_Request):
     echo: bool = Field(False, json_schema_extra={"enum": [False]})
     best_of: Int32 | None = Field(None, json_schema_extra={"enum": [1, None]})
     suffix: str | None = Field(None, json_schema_extra={"maxLength": 0})
-
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _prompt_shape(cls, prompt: Any) -> Any:
-        if prompt == "" or prompt == [] or (isinstance(prompt, list) and any(p in ("", []) for p in prompt)):
-            raise ValueError("prompt must not be empty, nor hold an empty prompt")
-        if isinstance(prompt, list):
-            prompt = [[_integral(t) for t in p] if isinstance(p, list) else _integral(p) for p in prompt]
-        if isinstance(prompt, str) or _is_token_ids(prompt):
-            _check_id_range(prompt)
-            return prompt
-        if isinstance(prompt, list) and (
-            all(isinstance(p, str) for p in prompt) or all(_is_token_ids(p) for p in prompt)
-        ):
-            for ids in prompt:
-                _check_id_range(ids)
-            return prompt
-        raise ValueError(
-            "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids"
-        )
 
     def prompts(self) -> list[str] | list[list[int]]:
         """The prompts as a list (one choice each); a 400 when empty."""
@@ -297,20 +259,6 @@ class ChatCompletionRequest(_Request):
             )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs)
-
-
-def _is_token_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-
-
-def _check_id_range(prompt: str | list[int]) -> None:
-    """Token ids fit a protobuf int32 and are not negative (the vocabulary check comes later,
-    where the tokenizer is known); a ValueError naming the first that does not."""
-    if isinstance(prompt, str):
-        return
-    bad = next((t for t in prompt if not 0 <= t <= INT32_MAX), None)
-    if bad is not None:
-        raise ValueError(f"prompt token id {bad} is out of range; token ids are in [0, 2**31)")
 
 
 def _param_of(message: str) -> str | None:

@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 MAX_LOGGED_FIELDS = 8  # names in the one warning line per request
 MAX_LOGGED_NAME_CHARS = 40  # characters of each name, escaped
+_NO_TEXT = frozenset({int, float, bool, type(None)})  # JSON values that hold no string
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,8 @@ def lone_surrogate_path(value: Any, path: str = "") -> str | None:
             if found is not None:
                 return found
     elif isinstance(value, list):
+        if set(map(type, value)) <= _NO_TEXT:  # a list of token ids: one pass in C, no frame per id
+            return None
         for i, item in enumerate(value):
             found = lone_surrogate_path(item, f"{path}.{i}" if path else str(i))
             if found is not None:
