@@ -39,7 +39,9 @@ class FakeClock:
     """A monotonic clock that only moves when the test says (`advance`)."""
 
     def __init__(self) -> None:
-        self.now_s = time.monotonic()
+        # whole seconds: `start + 1000.0 - start` is then exactly 1000.0 (from an arbitrary
+        # monotonic reading it need not be, e.g. when the sum crosses a power of two)
+        self.now_s = float(int(time.monotonic()))
 
     def __call__(self) -> float:
         return self.now_s
