@@ -124,7 +124,12 @@ def test_outputs_hold_after_eviction(tiny_model_path, reference):
     again = prompts[-1] + [1, 2, 3]
     out, cached, _ = serve(engine, again, params)
     assert cached == len(prompts[-1])
-    assert out == expect(reference, again, params)
+    # The oracle computes the prompt in the hit's two pieces (151 tokens, then 3), as the cache
+    # does: computed whole, fp32 rounds differently, and on some random checkpoints that flips
+    # a near-tied greedy token a few steps later (measured: splits at 150 and 151 differ from
+    # the whole prompt, splits at 13, 100 and 147 do not, with no cache involved).
+    split = _engine(tiny_model_path, max_num_batched_tokens=len(prompts[-1]))
+    assert out == expect(split, again, params)
     assert engine.scheduler.blocks.num_free_blocks == engine.plan.num_blocks
 
 
