@@ -120,7 +120,7 @@ class ModelRunner:
         for s in exporting:
             req = s.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
-            if start <= req.num_cached_tokens:  # first chunk after a prefix hit: ship the hit's rows too
+            if start <= req.num_reused_tokens:  # first chunk after a prefix hit: ship the hit's rows too
                 start = 0
             # The state to ship covers every token known before this sample: the prompt, plus the
             # tokens a resumed request (decode failover) had already generated.

@@ -58,6 +58,10 @@ class Request:
     prefix_hashes: list[bytes] | None = None
     imported_prefix: Any = None  # engine.prefix_cache.ImportedPrefix (request.py stays import-free)
     num_cached_tokens: int = 0
+    # input tokens (prompt and given outputs) the cache served at its latest admission, local and
+    # imported: unlike num_cached_tokens, not capped at the prompt (a failover's hit may reach into
+    # the given outputs), and set again after a preemption; its first chunk exports them too
+    num_reused_tokens: int = 0
     cache_state: Any = None  # engine.prefix_cache's per-request bookkeeping, None without caching
     _queue_reported: bool = field(default=False, repr=False)
 

@@ -114,6 +114,8 @@ class Scheduler:
             swapped = request.request_id in self.swapped  # it resumes at its computed tokens
             if self.prefix_cache is not None and not swapped:
                 self.prefix_cache.admit(request)  # starts it at its hit, plans its snapshots
+            if not swapped:  # what the cache served (0 without a hit): rows a handoff ships too
+                request.num_reused_tokens = request.num_computed_tokens
             num_new = self._chunk_len(request, budget)
             if not self.reserve_blocks(request, num_new):
                 self.release(request)

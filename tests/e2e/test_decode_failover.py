@@ -32,7 +32,7 @@ from splitserve import LLM, SamplingParams
 from splitserve.config import parse_config
 from splitserve.state.client import StateStoreClient
 from splitserve.tiny_model import make_tiny_model
-from tests.e2e.helpers import MODEL, token_id, worker_stats
+from tests.e2e.helpers import MODEL, complete, openai_client, token_id, worker_stats
 
 NUM_STREAMS = 8
 NUM_TOKENS = 96  # per stream; long enough that every stream is still running at the kill
@@ -71,7 +71,7 @@ def expected(model_path, prompts) -> dict[str, list[list[int]]]:
     return out
 
 
-def _config(model_path, failover: bool, replay_window: int = 0):
+def _config(model_path, failover: bool, replay_window: int = 0, caching: bool = False):
     pool = {"num_cpus": 0.5, "kv_cache_memory_bytes": "32MiB", "max_num_seqs": 16}
     return parse_config(
         {
@@ -80,8 +80,9 @@ def _config(model_path, failover: bool, replay_window: int = 0):
             "prefill": pool,
             "decode": {**pool, "replicas": 2, "failover": failover, "replay_window": replay_window},
             "store": {"memory_bytes": "128MiB", "disk": {"path": None}},
-            # Independent of the prefix cache: every request is routed and prefilled afresh.
-            "cache": {"enable_prefix_caching": False},
+            # "failover" runs with the prefix cache on, as deployments do by default; the others
+            # without, so every request is routed and prefilled afresh.
+            "cache": {"enable_prefix_caching": caching},
             "router": {"policy": "least_load"},
             "health": {"interval_s": 1, "timeout_s": 30, "start_timeout_s": 300, "max_restarts": 5},
         }
@@ -90,12 +91,13 @@ def _config(model_path, failover: bool, replay_window: int = 0):
 
 @pytest.fixture(scope="module")
 def cluster(request, local_ray, model_path):
-    """A deployment as the test's indirect parameter says ("failover", "no-failover", "stored":
-    failover with ReplaySSM publishing); the tests of one value share it (pytest groups them), and
-    it stops before the next value's starts."""
+    """A deployment as the test's indirect parameter says ("failover": with the prefix cache on,
+    "no-failover", "stored": failover with ReplaySSM publishing); the tests of one value share it
+    (pytest groups them), and it stops before the next value's starts."""
     mode = request.param
     replay_window = REPLAY_WINDOW if mode == "stored" else 0
-    with run_cluster(_config(model_path, mode != "no-failover", replay_window)) as handle:
+    config = _config(model_path, mode != "no-failover", replay_window, caching=mode == "failover")
+    with run_cluster(config) as handle:
         yield handle
 
 
@@ -256,6 +258,28 @@ def test_every_stream_survives_a_killed_decode_worker_exactly(cluster, prompts, 
     resumed_before = _failovers(url, "resumed")
     _run_kill(cluster, prompts, expected, kind, NUM_BEFORE_KILL)
     assert _failovers(url, "resumed") > resumed_before  # the kill did land on running streams
+
+
+@FAILOVER_ON
+def test_failover_is_exact_where_the_prefix_cache_holds_part_of_the_reply(cluster, prompts, expected):
+    """A client first continued each prompt from a few tokens of its reply (prompt + those tokens,
+    sent as a new prompt): the prefill worker keeps that prompt's end as a prefix. Each failover's
+    re-prefill of prompt + the tokens sent so far then starts from a hit that reaches past the
+    prompt, into the sent tokens. The handoff must still carry every row from token 0: it once
+    carried only the rows past the hit (the hit was counted as prompt tokens only), and every
+    resumed stream failed with "state ... ended short ... tokens still missing per MLA layer"."""
+    url = cluster.gateway_url
+    client = openai_client(url)
+    num_continued = NUM_BEFORE_KILL
+    for prompt, want in zip(prompts, expected["greedy"]):
+        continued = prompt + want[:num_continued]
+        assert (
+            complete(client, continued, {"max_tokens": 1, "temperature": 0})
+            == want[num_continued : num_continued + 1]
+        )
+    resumed_before = _failovers(url, "resumed")
+    _run_kill(cluster, prompts, expected, "greedy", num_continued + 4)
+    assert _failovers(url, "resumed") > resumed_before
 
 
 @FAILOVER_OFF

@@ -118,3 +118,45 @@ def test_resume_with_prefix_caching_on_continues_exactly(tiny_model_path, name):
     resumed_here = prefill.add_request("again", PROMPT, params, output_token_ids=expected[:3])
     _finish(prefill)
     assert resumed_here.output_token_ids == expected
+
+
+@pytest.mark.parametrize("name", ["greedy", "seeded"])
+def test_resume_whose_prefix_hit_reaches_into_the_sent_tokens_hands_off_every_row(tiny_model_path, name):
+    """Decode failover with caching on, where an earlier request with this prompt finished after
+    fewer tokens than the stream had sent (a retry, a shorter `max_tokens`): its retained end lies
+    past the prompt, inside the sent tokens, so the re-prefill starts there. The handoff must still
+    carry every MLA row from token 0; it once shipped only the rows it computed (the hit was
+    counted as prompt tokens only, capped at the prompt), and the decode waited for rows that
+    never came ("state ... ended short")."""
+    config = EngineConfig(
+        model=str(tiny_model_path),
+        max_model_len=512,
+        enable_prefix_caching=True,
+        prefix_unit=16,
+        block_size=16,
+    )
+    prefill, decode = LLMEngine(config), LLMEngine(config)
+    params = PARAMS[name]
+    expected = _uninterrupted(prefill, params)
+    short = prefill.add_request("short", PROMPT, params.replace(max_tokens=4))
+    _finish(prefill)
+    assert short.output_token_ids == expected[:4]
+    sent = expected[:8]
+    states: list[LayerState] = []
+    request = prefill.add_request("r", PROMPT, params, export=states.append, output_token_ids=sent)
+    num_state_tokens = len(PROMPT) + len(sent)
+    assert decode.reserve_transfer("r", num_state_tokens)
+    _finish(prefill)
+    assert request.finish_reason == HANDOFF and request.output_token_ids == expected[:9]
+    rows = {}
+    for state in states:
+        if state.kind.name == "MLA_KV":
+            rows.setdefault(state.layer_id, set()).update(range(state.token_start, state.token_end))
+    assert rows and all(r == set(range(num_state_tokens)) for r in rows.values()), {
+        k: (min(v), max(v), len(v)) for k, v in rows.items()
+    }
+    for state in states:
+        decode.write_transferred_state("r", state)
+    admitted = decode.admit_transferred("r", PROMPT, params, expected[8], output_token_ids=sent)
+    _finish(decode)
+    assert admitted.output_token_ids == expected
