@@ -17,6 +17,7 @@ from decode_worker.resume import KeptStreams, reserve_room
 from decode_worker.state_reader import StateReader
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import LLMEngine, RequestUpdate
+from splitserve.engine.transfer_sink import TransferSink
 from splitserve.rpc import abort
 from splitserve.state.client import StateStoreClient
 from splitserve.state.errors import CorruptStateError, StateStoreError
@@ -113,9 +114,34 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             return decode_pb2.ReserveResponse(
                 accepted=False, reject_reason="no free KV blocks or state slots"
             )
+        # The room is held from here on: every way out below that does not hand it to a reader
+        # (whose lapse then bounds it) gives it back at once.
+        try:
+            reader = self._open_reader(request, context, sink)
+        except Exception as exc:
+            self._abort_engine(rid)
+            if isinstance(exc, StateStoreError):  # e.g. this node's store is down (restarting)
+                abort(context, grpc.StatusCode.UNAVAILABLE, f"cannot read state for {rid} now: {exc}")
+            raise
+        if reader is None:
+            return decode_pb2.ReserveResponse(accepted=False, reject_reason="the caller is gone")
+        return decode_pb2.ReserveResponse(
+            accepted=True,
+            store_address=reader.store.address,
+            state_key=reader.key,
+            state_owner=self.worker_id,
+            expiry_unix_s=time.time() + (request.timeout_s or self.state_timeout_s),
+        )
+
+    def _open_reader(
+        self, request: decode_pb2.ReserveRequest, context: grpc.ServicerContext, sink: TransferSink
+    ) -> StateReader | None:
+        """Start pulling a granted reservation's state, its lapse armed; None (nothing started)
+        when the caller is gone. Raises what opening the read raised (the store unreachable)."""
+        rid = request.request_id
         if not context.is_active():  # the caller gave up (its deadline passed): it will never abort it
             self._abort_engine(rid)
-            return decode_pb2.ReserveResponse(accepted=False, reject_reason="the caller is gone")
+            return None
         # One key per reservation: a failover that reserves here again for the same request must
         # not meet the sealed key of an attempt whose read failed (ALREADY_EXISTS for its prefill).
         # A gateway that starts the prefill while reserving names the key itself (one per attempt).
@@ -140,13 +166,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self._readers[rid] = reader
             # a Decode or Abort for rid cancels it (`_take`); a replaced reader's entry finds it gone
             self._lapse_entries[rid] = self._lapses.add(2 * timeout_s, lambda: self._lapse(rid, reader))
-        return decode_pb2.ReserveResponse(
-            accepted=True,
-            store_address=source.address,
-            state_key=key,
-            state_owner=self.worker_id,
-            expiry_unix_s=time.time() + timeout_s,
-        )
+        return reader
 
     def Decode(
         self, request: decode_pb2.DecodeRequest, context: grpc.ServicerContext
