@@ -56,7 +56,7 @@ def build_app(
         else None
     )
     pipeline = Pipeline(
-        settings, router, clients, gateway_metrics, tokenizer, monitor.on_route, prefix_metrics
+        settings, router, clients, gateway_metrics, tokenizer, monitor.on_route, prefix_metrics, monitor.probe
     )
 
     app = FastAPI(title="splitserve gateway", lifespan=_lifespan(monitor, clients, cache_monitor))

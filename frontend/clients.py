@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from frontend.errors import GatewayError
 from splitserve.rpc import channel_options, make_aio_channel
@@ -148,6 +149,14 @@ class WorkerClients:
             prefill_pb2.CacheReportRequest(), timeout=self.rpc_timeout_s
         )
         return await self._unary(call, "Prefill.CacheReport", address)
+
+    async def serving(self, address: str) -> bool:
+        """Whether the worker at `address` answers the standard health check as SERVING (raises
+        GatewayError when it cannot be reached)."""
+        stub = health_pb2_grpc.HealthStub(self._channel(address))
+        call = stub.Check(health_pb2.HealthCheckRequest(), timeout=self.rpc_timeout_s)
+        response = await self._unary(call, "Health.Check", address)
+        return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
 
     async def store_stats(self, address: str) -> store_pb2.StoreStats:
         stub = store_pb2_grpc.StateStoreStub(self._channel(address))

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import anyio
@@ -39,6 +39,22 @@ from splitserve.wire import FINISH_FROM_PROTO, decode_request, prefill_request, 
 logger = logging.getLogger(__name__)
 
 FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION  # a decode worker refusing a local prefill
+# A prompt whose prefill failed for want of its worker or that worker's store (503) is tried
+# again on another prefill worker or through prefill.fallback, at most this many times.
+MAX_PREFILL_RETRIES = 2
+
+
+class PrefillLost(GatewayError):
+    """A prefill failed because its worker, or the store it writes to, could not be reached:
+    nothing reached the client yet, so the prompt may run elsewhere."""
+
+    def __init__(self, address: str, cause: GatewayError) -> None:
+        super().__init__(cause.status_code, cause.message, code=cause.code)
+        self.address = address
+
+
+async def _always_reachable(address: str) -> bool:
+    return True
 
 
 @dataclass
@@ -52,6 +68,8 @@ class Pipeline:
     tokenizer: Tokenizer | None
     on_route: Callable[[str], None] = field(default=lambda store_address: None)
     prefix_metrics: PrefixMetrics | None = None
+    # asks one worker at once whether it answers, marking it in the router (LoadMonitor.probe)
+    probe: Callable[[str], Awaitable[bool]] = field(default=_always_reachable)
 
     def prefix_hashes(self, prompt_ids: list[int]) -> list[bytes]:
         """The prompt's prefix chain, salted with the served model name; empty with caching off."""
@@ -112,16 +130,43 @@ class Generation:
     # The flow ---------------------------------------------------------------------------------
 
     async def start(self) -> Step:
-        """Reserve a decode slot, run the prefill; the first step (maybe already final)."""
+        """Reserve a decode slot, run the prefill; the first step (maybe already final).
+
+        A prefill that fails because its worker or that worker's store cannot be reached (it
+        died, its store is restarting) is run again, the room it held given back first: on
+        another prefill worker, else through `prefill.fallback` (`decode_local`: the decode
+        worker computes the prompt, no store needed). Nothing reached the client yet, so the
+        client sees one answer, with the tokens an unbroken run gives."""
+        failed: list[str] = []
+        while True:
+            try:
+                return await self._start(failed)
+            except PrefillLost as lost:
+                failed.append(lost.address)
+                await self._release_decode()
+                if len(failed) > MAX_PREFILL_RETRIES:
+                    raise
+                reachable = await self.p.probe(lost.address)
+                logger.warning(
+                    "request %s: prefill on %s failed (%s; the worker %s); running the prompt elsewhere",
+                    self.request_id,
+                    lost.address,
+                    lost.message,
+                    "answers" if reachable else "is unreachable",
+                )
+                self.p.metrics.prefill_retries.labels(self.p.metrics.model_name).inc()
+
+    async def _start(self, failed_prefill: list[str]) -> Step:
+        """One try of `start`, on a prefill worker not in `failed_prefill` (or none)."""
         num_prompt_tokens = len(self.prompt_ids)
-        prefill_address = self.p.router.pick_prefill(num_prompt_tokens, self.prefix_hashes)
+        prefill_address = self.p.router.pick_prefill(num_prompt_tokens, self.prefix_hashes, failed_prefill)
         decode_candidates = self.p.router.rank_decode(
             num_prompt_tokens, self.params.max_tokens or 0, self.prefix_hashes, near=prefill_address
         )
         if not decode_candidates:
-            raise unavailable("no decode workers are available; try again later")
+            raise unavailable(_no_decode_worker(self.p.router.decode_addresses, self.p.router.unreachable()))
         if prefill_address is None:
-            return await self._start_on_decode(decode_candidates[0])
+            return await self._start_on_decode(decode_candidates[0], failed_prefill)
         local = self._local_prefill_target(decode_candidates)
         if local is not None:
             step = await self._start_local(local)
@@ -287,13 +332,17 @@ class Generation:
 
     # Pieces -----------------------------------------------------------------------------------
 
-    async def _start_on_decode(self, address: str) -> Step:
-        """The prefill pool is empty: with `prefill.fallback: decode_local` the decode worker
-        computes the prompt itself (a Decode without state) and streams every token; else 503."""
+    async def _start_on_decode(self, address: str, failed_prefill: Sequence[str] = ()) -> Step:
+        """No prefill worker can take the prompt (the pool is empty or unreachable, or the ones
+        left failed it): with `prefill.fallback: decode_local` the decode worker computes the
+        prompt itself (a Decode without state) and streams every token; else 503."""
         policy = self.p.settings.prefill_fallback
         self.p.metrics.prefill_fallbacks.labels(self.p.metrics.model_name, policy).inc()
         if policy != "decode_local":
-            raise unavailable("the prefill pool has no worker (prefill.fallback: fail); retry later")
+            why = "has no worker" if not self.p.router.prefill_addresses else "has no worker that can take it"
+            if failed_prefill:
+                why += f" (failed on {', '.join(failed_prefill)})"
+            raise unavailable(f"the prefill pool {why}; prefill.fallback is fail: retry later")
         return await self._decode_whole(address, max_uncached_tokens=0)
 
     def _local_prefill_target(self, candidates: list[str]) -> str | None:
@@ -463,6 +512,13 @@ class Generation:
             response = await self.p.clients.prefill(address, request, self._remaining_s())
             self._prefill_in_flight = False
             return response
+        except GatewayError as exc:
+            self._prefill_in_flight = False  # it failed there: nothing to abort
+            cause = exc.__cause__  # UNAVAILABLE: the worker or its store unreachable (a crash
+            # of the worker on this prompt is UNKNOWN or INTERNAL, and would crash elsewhere too)
+            if isinstance(cause, grpc.aio.AioRpcError) and cause.code() == grpc.StatusCode.UNAVAILABLE:
+                raise PrefillLost(address, exc) from exc
+            raise
         finally:
             self.p.router.on_prefill_end(address, len(self.prompt_ids))
 
@@ -510,3 +566,11 @@ class Generation:
         if remaining <= 0:
             raise GatewayError(503, f"request timed out after {self.p.settings.request_timeout_s:g} s")
         return remaining
+
+
+def _no_decode_worker(listed: tuple[str, ...], unreachable: dict[str, str]) -> str:
+    """Why no decode worker can be tried, for a 503."""
+    if not listed:
+        return "no decode workers are available; try again later"
+    down = "; ".join(f"{a}: {unreachable[a]}" for a in listed if a in unreachable)
+    return f"no decode worker can be reached ({down}); try again later"

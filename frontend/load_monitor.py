@@ -1,11 +1,15 @@
 """Keeps the router's view of decode load fresh and the store gauges filled.
 
 One background task per app: every `stats_refresh_s`, or sooner after a routing decision
-(`kick()`), it reads `Decode.Stats` from every decode worker and `StateStore.Stats` from every
-store a reservation has named. A worker that does not answer is reported as unmeasurable to
-the router, which then tries it last. After each pass it tells the admission queue the decode
-pool's capacity in slots: the listed workers' that have answered, as they last did (a lower
-bound while a new worker's first Stats is pending; unknown while none has).
+(`kick()`), it reads `Decode.Stats` from every decode worker, the health check of every prefill
+worker and `StateStore.Stats` from every store a reservation has named. A worker that does not
+answer is marked unreachable in the router, which then neither picks nor ranks it, until it
+answers again (`probe(address)` asks one worker at once, e.g. after a request's call to it
+failed). A decode worker whose state slots are held by nothing it runs or has reserved is
+recorded as holding idle slots (a leak the health endpoint reports). After each pass it tells
+the admission queue the decode pool's capacity in slots: the listed workers' that have answered,
+as they last did (a lower bound while a new worker's first Stats is pending; unknown while none
+has).
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ class LoadMonitor:
         self.refresh_s = refresh_s
         self.on_capacity = on_capacity
         self._slots: dict[str, int] = {}  # decode address -> requests it can hold at once
+        # decode address -> state slots in use that neither a running request nor a reservation holds
+        self.idle_held_slots: dict[str, int] = {}
+        self.full: set[str] = set()  # decode workers whose last Stats showed no free state slot
         self.store_addresses: set[str] = set()
         self._kick: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -72,10 +79,15 @@ class LoadMonitor:
     async def refresh(self) -> None:
         decode = self.router.decode_addresses
         self.metrics.set_workers(len(self.router.prefill_addresses), len(decode))
+        prefill = [a for a in self.router.prefill_addresses if a not in decode]  # colocated: once
         await asyncio.gather(
-            *(self._refresh_decode(a) for a in decode), *map(self._refresh_store, self.store_addresses)
+            *map(self._refresh_decode, decode),
+            *map(self._refresh_prefill, prefill),
+            *map(self._refresh_store, self.store_addresses),
         )
         self._slots = {a: n for a, n in self._slots.items() if a in decode}
+        self.idle_held_slots = {a: n for a, n in self.idle_held_slots.items() if a in decode}
+        self.full &= set(decode)
         # channels to workers and stores that left (restarts and resizes bring new addresses)
         await self.clients.retain({*self.router.prefill_addresses, *decode, *self.store_addresses})
         if self.on_capacity is not None:
@@ -95,13 +107,41 @@ class LoadMonitor:
                 await asyncio.wait_for(self._kick.wait(), timeout=self.refresh_s)
             self._kick.clear()
 
+    async def probe(self, address: str) -> bool:
+        """Ask one worker now whether it answers (its Stats, or its health check if it is a
+        prefill worker), updating the router; whether it did."""
+        if address in self.router.decode_addresses:
+            await self._refresh_decode(address)
+        elif address in self.router.prefill_addresses:
+            await self._refresh_prefill(address)
+        return address not in self.router.unreachable()
+
+    async def _refresh_prefill(self, address: str) -> None:
+        try:
+            serving = await self.clients.serving(address)
+        except GatewayError as exc:
+            self.router.mark_unreachable(address, exc.message)
+            return
+        if serving:
+            self.router.mark_reachable(address)
+        else:  # shutting down (a drain): it takes no new prompt
+            self.router.mark_unreachable(address, f"prefill worker {address} is not serving")
+
     async def _refresh_decode(self, address: str) -> None:
         try:
             stats = await self.clients.decode_stats(address)
         except GatewayError as exc:
             logger.debug("Decode.Stats on %s failed: %s", address, exc.message)
             self.router.observe_decode_load(address, None)
+            self.router.mark_unreachable(address, exc.message)
             return  # its last known capacity stays: a listed worker is expected back
+        self.router.mark_reachable(address)
+        in_use = stats.num_total_state_slots - stats.num_free_state_slots
+        self.idle_held_slots[address] = max(0, in_use - stats.num_running_seqs - stats.num_reserved)
+        if stats.num_free_state_slots <= 0:
+            self.full.add(address)
+        else:
+            self.full.discard(address)
         total_slots = stats.num_total_state_slots
         self._slots[address] = min(total_slots, stats.max_num_seqs) if stats.max_num_seqs else total_slots
         self.router.observe_decode_load(

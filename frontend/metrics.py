@@ -83,6 +83,11 @@ class GatewayMetrics:
             "on their decode worker; fail: refused with 503)",
             "policy",
         )
+        self.prefill_retries = counter(
+            "splitserve_prefill_retries",
+            "Prompts whose prefill failed for want of its worker or that worker's store, run again "
+            "on another prefill worker or through prefill.fallback",
+        )
         self.local_prefills = counter(
             "splitserve_local_prefills",
             "Prompts offered to a decode worker to prefill itself (router.local_prefill_max_tokens), "

@@ -3,7 +3,7 @@ unless that worker's queue costs more than the recompute it saves."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from frontend.prefix_index import DEFAULT_MAX_ENTRIES, CacheEvent, PrefixIndex
 from frontend.router import LeastLoadRouter
@@ -46,12 +46,15 @@ class PrefixAwareRouter(LeastLoadRouter):
             self.index.keep_only(self._prefill)
             self.decode_index.keep_only(self._decode)
 
-    def pick_prefill(self, num_prompt_tokens: int, prefix_hashes: Sequence[bytes] = ()) -> str | None:
+    def pick_prefill(
+        self, num_prompt_tokens: int, prefix_hashes: Sequence[bytes] = (), exclude: Collection[str] = ()
+    ) -> str | None:
         with self._lock:
-            if not self._prefill:
+            candidates = self._prefill_rotation(exclude)
+            if not candidates:
                 return None
             matched = self.index.match(prefix_hashes)
-            return min(self._prefill_rotation(), key=lambda a: self._cost(a, num_prompt_tokens, matched))
+            return min(candidates, key=lambda a: self._cost(a, num_prompt_tokens, matched))
 
     def rank_decode(
         self,

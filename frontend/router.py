@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -64,9 +64,11 @@ class Router(ABC):
     def decode_addresses(self) -> tuple[str, ...]: ...
 
     @abstractmethod
-    def pick_prefill(self, num_prompt_tokens: int, prefix_hashes: Sequence[bytes] = ()) -> str | None:
+    def pick_prefill(
+        self, num_prompt_tokens: int, prefix_hashes: Sequence[bytes] = (), exclude: Collection[str] = ()
+    ) -> str | None:
         """The prefill worker for a prompt (whose prefix chain is `prefix_hashes`), or None when
-        the pool is empty."""
+        the pool has no reachable worker outside `exclude` (workers this request failed on)."""
 
     @abstractmethod
     def rank_decode(
@@ -123,6 +125,17 @@ class Router(ABC):
     def on_local_prefill_refused(self, address: str, prefix_hashes: Sequence[bytes]) -> None:  # noqa: B027
         """Decode worker `address` holds less of this prefix than `decode_prefix_match` said."""
 
+    def mark_unreachable(self, address: str, reason: str) -> None:  # noqa: B027
+        """This gateway could not reach worker `address` (a poll or a request's call failed):
+        it is not picked again until `mark_reachable`, or until it leaves the pools."""
+
+    def mark_reachable(self, address: str) -> None:  # noqa: B027
+        """Worker `address` answered again."""
+
+    def unreachable(self) -> dict[str, str]:
+        """Listed workers this gateway cannot reach now, each with why."""
+        return {}
+
 
 class LeastLoadRouter(Router):
     """Prefill: fewest outstanding prompt tokens sent by this gateway. Decode: most free room.
@@ -132,7 +145,9 @@ class LeastLoadRouter(Router):
     Workers that did not answer their last Stats go last; workers never measured go first
     (optimistic, so a new replica gets traffic). Ties rotate round-robin. Given the prefill
     worker chosen (`near`) and the workers' node stores (`update_stores`), decode workers on the
-    prefill's node go first while their room is within SAME_NODE_MARGIN of the best's.
+    prefill's node go first while their room is within SAME_NODE_MARGIN of the best's. A worker
+    marked unreachable is neither picked nor ranked until it answers again (`mark_reachable`) or
+    leaves the pools; a new address starts reachable.
     """
 
     def __init__(self, prefill_addresses: Sequence[str] = (), decode_addresses: Sequence[str] = ()) -> None:
@@ -147,6 +162,7 @@ class LeastLoadRouter(Router):
         self._prefill_tiebreak = itertools.count()
         self._decode_tiebreak = itertools.count()
         self._stores: dict[str, str] = {}  # worker address -> its node's store address
+        self._unreachable: dict[str, str] = {}  # worker address -> why it cannot be reached now
         self.update_workers(prefill_addresses, decode_addresses)
 
     def update_workers(self, prefill_addresses: Sequence[str], decode_addresses: Sequence[str]) -> None:
@@ -156,6 +172,8 @@ class LeastLoadRouter(Router):
             self._outstanding = {a: self._outstanding.get(a, 0) for a in self._prefill}
             self._loads = {a: self._loads[a] for a in self._decode if a in self._loads}
             self._reserved_since_stats = {a: self._reserved_since_stats.get(a, 0) for a in self._decode}
+            listed = {*self._prefill, *self._decode}
+            self._unreachable = {a: why for a, why in self._unreachable.items() if a in listed}
 
     @property
     def prefill_addresses(self) -> tuple[str, ...]:
@@ -165,11 +183,11 @@ class LeastLoadRouter(Router):
     def decode_addresses(self) -> tuple[str, ...]:
         return self._decode
 
-    def pick_prefill(self, num_prompt_tokens: int, prefix_hashes: Sequence[bytes] = ()) -> str | None:
+    def pick_prefill(
+        self, num_prompt_tokens: int, prefix_hashes: Sequence[bytes] = (), exclude: Collection[str] = ()
+    ) -> str | None:
         with self._lock:
-            if not self._prefill:
-                return None
-            return min(self._prefill_rotation(), key=lambda a: self._outstanding.get(a, 0))
+            return min(self._prefill_rotation(exclude), key=lambda a: self._outstanding.get(a, 0), default=None)
 
     def rank_decode(
         self,
@@ -204,16 +222,26 @@ class LeastLoadRouter(Router):
         local = [a for a in ranked if self._stores.get(a) == store and allows(a)]
         return local + [a for a in ranked if a not in local]
 
-    def _prefill_rotation(self) -> list[str]:
-        """The prefill pool, starting one further each call (how ties rotate)."""
-        offset = next(self._prefill_tiebreak)
-        n = len(self._prefill)
-        return [self._prefill[(offset + i) % n] for i in range(n)]
+    def _prefill_rotation(self, exclude: Collection[str] = ()) -> list[str]:
+        """The reachable prefill workers not in `exclude`, starting one further each call (how
+        ties rotate)."""
+        return _rotated(self._prefill, next(self._prefill_tiebreak), {*self._unreachable, *exclude})
 
     def _decode_rotation(self) -> list[str]:
-        offset = next(self._decode_tiebreak)
-        n = len(self._decode)
-        return [self._decode[(offset + i) % n] for i in range(n)]
+        return _rotated(self._decode, next(self._decode_tiebreak), self._unreachable)
+
+    def mark_unreachable(self, address: str, reason: str) -> None:
+        with self._lock:
+            if address in self._prefill or address in self._decode:
+                self._unreachable[address] = reason
+
+    def mark_reachable(self, address: str) -> None:
+        with self._lock:
+            self._unreachable.pop(address, None)
+
+    def unreachable(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._unreachable)
 
     def _decode_key(self, address: str) -> tuple[int, float]:
         if address not in self._loads:
@@ -263,9 +291,11 @@ class RoundRobinRouter(LeastLoadRouter):
     """Each request goes one worker further along each pool, whatever the load or cache: the
     baseline the other policies are measured against. Decode candidates keep rotation order."""
 
-    def pick_prefill(self, num_prompt_tokens: int, prefix_hashes: Sequence[bytes] = ()) -> str | None:
+    def pick_prefill(
+        self, num_prompt_tokens: int, prefix_hashes: Sequence[bytes] = (), exclude: Collection[str] = ()
+    ) -> str | None:
         with self._lock:
-            return self._prefill_rotation()[0] if self._prefill else None
+            return next(iter(self._prefill_rotation(exclude)), None)
 
     def rank_decode(
         self,
@@ -276,6 +306,13 @@ class RoundRobinRouter(LeastLoadRouter):
     ) -> list[str]:
         with self._lock:
             return self._decode_rotation()  # no node preference either: the baseline
+
+
+def _rotated(pool: Sequence[str], offset: int, skip: Collection[str]) -> list[str]:
+    """`pool` less `skip`, rotated by `offset`."""
+    kept = [a for a in pool if a not in skip]
+    n = len(kept)
+    return [kept[(offset + i) % n] for i in range(n)]
 
 
 def make_router(policy: RouterPolicy, prefix_unit: int) -> Router:

@@ -1,4 +1,7 @@
-"""A prefill worker killed mid-request ends that request with a clear error, never a hang."""
+"""A prefill worker killed mid-request, where no other prefill worker is left and
+`prefill.fallback: fail` forbids the decode worker to compute prompts, ends that request with a
+clear error, never a hang. (With the default `decode_local` the request is served anyway:
+tests/faults/test_prefill_kill.py.)"""
 
 from __future__ import annotations
 
@@ -19,7 +22,12 @@ def cluster(tmp_path_factory):
     model = make_tiny_model(tmp_path_factory.mktemp("kill-model"), seed=5)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     # a tiny token budget makes a long prompt's prefill take many steps, so it can be killed midway
-    slow_prefill = {"num_cpus": 0.5, "kv_cache_memory_bytes": "32MiB", "max_num_batched_tokens": 8}
+    slow_prefill = {
+        "num_cpus": 0.5,
+        "kv_cache_memory_bytes": "32MiB",
+        "max_num_batched_tokens": 8,
+        "fallback": "fail",
+    }
     config = parse_config(
         {
             "model": {"path": str(model), "name": "tiny"},
@@ -62,4 +70,4 @@ def test_killing_the_prefill_worker_fails_its_request_with_a_clear_error(cluster
     response = outcome["response"]
     assert response.status_code == 503
     error = response.json()["error"]
-    assert "prefill" in error["message"].lower()
+    assert "prefill" in error["message"].lower() and "fallback is fail" in error["message"], error

@@ -165,6 +165,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.decodes.append(request)
         self.started.set()
         params = request.sampling_params
+        if not request.HasField("state"):  # computes its prompt: an Abort of an earlier room is past
+            self._wake[request.request_id] = threading.Event()
         wake = self._wake_event(request.request_id)
         context.add_callback(wake.set)
         max_tokens = params.max_tokens if params.HasField("max_tokens") else 10**9
@@ -234,6 +236,7 @@ class FakeWorkerServer:
                 prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, self.server)
             else:
                 decode_pb2_grpc.add_DecodeServicer_to_server(servicer, self.server)
+        rpc.add_health(self.server)  # as every worker's server answers it (the gateway polls it)
         port = self.server.add_insecure_port("127.0.0.1:0")
         self.address = f"127.0.0.1:{port}"
         self.server.start()

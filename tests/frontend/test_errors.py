@@ -7,6 +7,7 @@ import socket
 import grpc
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.frontend.conftest import MODEL, Gateway, running_gateway
 
@@ -221,23 +222,45 @@ def test_no_workers_is_a_503(tiny_model_path, script):
 
 
 def test_unreachable_decode_worker_is_a_503(tiny_model_path, script):
-    with running_gateway(
-        tiny_model_path, script, num_decode=0, extra_decode_addresses=[_closed_port_address()]
-    ) as gw:
+    address = _closed_port_address()
+    with running_gateway(tiny_model_path, script, num_decode=0, extra_decode_addresses=[address]) as gw:
         with pytest.raises(openai.InternalServerError) as caught:
             gw.openai().completions.create(model=MODEL, prompt="hi")
         assert caught.value.status_code == 503
-        assert "UNAVAILABLE" in caught.value.body["message"]
+        assert address in caught.value.body["message"]  # the Reserve's failure, or its Stats'
+        with gw.http() as http:
+            health = http.get("/health")
+        assert health.status_code == 503 and health.json()["decode_workers"] == 0
+        assert any(address in line for line in health.json()["problems"]), health.json()
 
 
-def test_unreachable_prefill_worker_is_a_503_and_frees_the_reservation(tiny_model_path, script):
+def test_an_unreachable_prefill_worker_falls_back_to_the_decode_worker(tiny_model_path, script):
+    """Its prompt runs on the decode worker instead (prefill.fallback: decode_local); a room that
+    was reserved for the failed handoff is given back first."""
     with running_gateway(
         tiny_model_path, script, num_prefill=0, extra_prefill_addresses=[_closed_port_address()]
     ) as gw:
+        out = gw.openai().completions.create(model=MODEL, prompt="hi", max_tokens=4)
+        assert out.choices[0].finish_reason == "length" and out.choices[0].text
+        (decode,) = gw.decode.decodes
+        assert not decode.HasField("state")  # the decode worker computed the prompt itself
+        assert gw.decode.aborts == [r.request_id for r in gw.decode.reserves]
+
+
+def test_an_unreachable_prefill_worker_is_a_503_when_the_fallback_is_fail(tiny_model_path, script):
+    with running_gateway(
+        tiny_model_path,
+        script,
+        num_prefill=0,
+        extra_prefill_addresses=[_closed_port_address()],
+        prefill_fallback="fail",
+    ) as gw:
         with pytest.raises(openai.InternalServerError) as caught:
             gw.openai().completions.create(model=MODEL, prompt="hi")
         assert caught.value.status_code == 503
-        assert gw.decode.aborts == [gw.decode.reserves[0].request_id]
+        assert "prefill.fallback is fail" in caught.value.body["message"]
+        assert gw.decode.aborts == [r.request_id for r in gw.decode.reserves]
+        assert gw.decode.decodes == []
 
 
 @pytest.mark.parametrize(
@@ -307,3 +330,29 @@ def test_a_chat_template_failure_is_a_400_without_the_exception_text(gateway: Ga
     assert error["param"] == "messages"
     assert "multiple values" not in error["message"] and "TypeError" not in error["message"]
     _assert_no_worker_touched(gateway)
+
+
+def test_a_prefill_whose_store_is_unreachable_runs_on_the_decode_worker(tiny_model_path, script):
+    """The prefill worker answers but cannot write the state (UNAVAILABLE: its store is down):
+    the prompt runs on the decode worker instead of failing, once, and is counted."""
+    with running_gateway(tiny_model_path, script) as gw:
+        gw.prefill.fail_with = grpc.StatusCode.UNAVAILABLE
+        out = gw.openai().completions.create(model=MODEL, prompt="hi", max_tokens=4)
+        assert out.choices[0].finish_reason == "length"
+        assert len(gw.prefill.requests) == 1  # not tried again on the worker that failed it
+        (decode,) = gw.decode.decodes
+        assert not decode.HasField("state")
+        assert gw.decode.aborts == [r.request_id for r in gw.decode.reserves]
+        with gw.http() as http:
+            metrics = http.get("/metrics").text
+        assert _metric(metrics, "splitserve_prefill_retries_total") == 1
+        assert _metric(metrics, "splitserve_prefill_fallbacks_total", policy="decode_local") == 1
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    """The value of the sample `name` whose labels include `labels` (0 when absent)."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0

@@ -82,15 +82,24 @@ def test_client_disconnect_during_prefill_aborts_prefill_and_reservation(tiny_mo
         assert gateway.decode.decodes == []
 
 
-def test_health_needs_a_prefill_and_a_decode_worker(tiny_model_path, script):
-    with running_gateway(tiny_model_path, script) as gateway, gateway.http() as http:
+@pytest.mark.parametrize("fallback", ["decode_local", "fail"])
+def test_health_needs_a_decode_worker_and_a_way_to_prefill(tiny_model_path, script, fallback):
+    with (
+        running_gateway(tiny_model_path, script, prefill_fallback=fallback) as gateway,
+        gateway.http() as http,
+    ):
         response = http.get("/health")
         assert response.status_code == 200
-        assert response.json()["prefill_workers"] == 1 and response.json()["decode_workers"] == 1
-        gateway.router.update_workers(gateway.router.prefill_addresses, [])
+        assert response.json() == {"status": "ok", "prefill_workers": 1, "decode_workers": 1, "problems": []}
+        prefill, decode = gateway.router.prefill_addresses, gateway.router.decode_addresses
+        gateway.router.update_workers(prefill, [])
         assert http.get("/health").status_code == 503
-        gateway.router.update_workers([], gateway.router.prefill_addresses)
-        assert http.get("/health").status_code == 503
+        gateway.router.update_workers([], decode)
+        response = http.get("/health")
+        if fallback == "decode_local":  # the decode worker computes prompts: degraded, serving
+            assert response.status_code == 200 and response.json()["status"] == "degraded"
+        else:
+            assert response.status_code == 503 and response.json()["status"] == "no workers"
 
 
 def _metric_value(text: str, name: str, **labels: str) -> float:
@@ -164,7 +173,7 @@ def test_load_monitor_feeds_decode_stats_to_the_router(script):
     assert router.rank_decode(10, 10) == [servers[1].address, servers[0].address]
 
 
-def test_load_monitor_marks_a_silent_decode_worker(script):
+def test_load_monitor_stops_routing_to_a_silent_decode_worker(script):
     router = LeastLoadRouter(["p0"], ["127.0.0.1:1"])
 
     async def refresh_once() -> None:
@@ -175,8 +184,11 @@ def test_load_monitor_marks_a_silent_decode_worker(script):
             await clients.close()
 
     asyncio.run(refresh_once())
+    assert "127.0.0.1:1" in router.unreachable()
     router.update_workers(["p0"], ["127.0.0.1:1", "fresh:1"])
-    assert router.rank_decode(1, 1) == ["fresh:1", "127.0.0.1:1"]
+    assert router.rank_decode(1, 1) == ["fresh:1"]  # not even last: it cannot be reached
+    router.mark_reachable("127.0.0.1:1")  # the next Stats it answers
+    assert sorted(router.rank_decode(1, 1)) == ["127.0.0.1:1", "fresh:1"]
 
 
 def test_gateway_actor_starts_resizes_reports_and_stops(tiny_model_path, script):
