@@ -64,6 +64,7 @@ def gateway_settings_kwargs(config: ClusterConfig, model_path: str | None) -> di
         "max_queued_requests": config.gateway.max_queued_requests,
         "prefill_fallback": config.prefill.fallback,
         "decode_failover": config.decode.failover,
+        "decode_failover_wait_s": config.decode.failover_wait_s,
     }
     max_model_len = served_max_model_len(config, model_path)
     if max_model_len is not None:  # else the gateway's own default applies

@@ -65,6 +65,9 @@ def _row(label: str, member: dict[str, Any], address: str | None = None) -> tupl
         health = "no"
     if member["error"] and not member["healthy"]:
         health += f" ({member['error']})"
+    idle_held = member["stats"].get("num_idle_held_slots", 0)
+    if idle_held:  # slots nothing holds: they never come back (a leak), whatever health says
+        health += f" (holds {idle_held} state slots with nothing running)"
     return (
         label,
         str(member["index"]),

@@ -23,9 +23,12 @@ Either way greedy and seeded sampling, penalties, max_tokens and the detokenizer
 where the stream stopped, so the client sees no token repeated or missing. Tokens the lost worker
 made but never delivered are made again, the same ones.
 
-Bounded: at most `max_decode_failovers` per request, with a short backoff when no decode
-worker could take the request. With `decode_failover` off the stream ends with a 503 (an SSE
-error event when streaming). Every lost stream is counted in
+Bounded: at most `max_decode_failovers` lost workers per request. Finding the next worker is
+tried again with a growing backoff (0.25 s doubling to 2 s) while none can take the request
+(every other one full or unreachable, or the only one being restarted by the controller), for
+up to `decode_failover_wait_s` and never past the request's deadline; a refusal retrying cannot
+change (a 400) ends it at once. With `decode_failover` off the stream ends with a 503 (an SSE
+error event when streaming). Every lost stream, and every failed try, is counted in
 `splitserve_decode_failovers_total{outcome, method}`.
 """
 
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Protocol
 
 import grpc
@@ -50,6 +54,7 @@ METHOD_REPREFILL = "reprefill"  # prompt + tokens sent, prefilled again
 METHOD_STORED = "stored_state"  # rebuilt from the lost worker's stored prompt state + ReplaySSM pieces
 _LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 _BACKOFF_S = 0.25  # first wait before trying again when no decode worker took the request
+_MAX_BACKOFF_S = 2.0
 
 
 class WorkerLost(GatewayError):
@@ -94,12 +99,14 @@ class DecodeFailover:
     def __init__(self, settings: GatewaySettings, metrics: GatewayMetrics) -> None:
         self.enabled = settings.decode_failover
         self.max_attempts = settings.max_decode_failovers
-        self.num_attempts = 0
+        self.wait_s = settings.decode_failover_wait_s
+        self.num_attempts = 0  # decode workers this request lost
         self._metrics = metrics
 
-    async def recover(self, gen: Resumable, lost: WorkerLost) -> Step:
+    async def recover(self, gen: Resumable, lost: WorkerLost, deadline_s: float) -> Step:
         """Resume `gen` on another decode worker: its next step. Raises a 503 GatewayError when
-        failover is off, exhausted, or every attempt failed."""
+        failover is off or exhausted, or no worker took the request within the wait (or before
+        `deadline_s`, the request's, on the monotonic clock)."""
         if not self.enabled:
             self._count("disabled")
             raise GatewayError(
@@ -107,31 +114,40 @@ class DecodeFailover:
                 f"{lost.message}; decode.failover is off, so this stream ends here: retry the request",
                 code="decode_worker_lost",
             ) from lost
-        why = lost.message
+        if self.num_attempts >= self.max_attempts:
+            self._count("exhausted")
+            raise GatewayError(
+                503,
+                f"{lost.message}; gave up after losing {self.num_attempts} decode workers for this "
+                "request: retry it",
+                code="decode_worker_lost",
+            ) from lost
+        self.num_attempts += 1
+        logger.warning(
+            "request %s: %s; resuming it elsewhere (failover %d of %d)",
+            gen.request_id,
+            lost.message,
+            self.num_attempts,
+            self.max_attempts,
+        )
+        give_up_s = min(deadline_s, time.monotonic() + self.wait_s)
+        backoff_s = _BACKOFF_S
         while True:
-            if self.num_attempts >= self.max_attempts:
-                self._count("exhausted")
-                raise GatewayError(
-                    503,
-                    f"{why}; gave up after {self.num_attempts} decode failovers for this request: retry it",
-                    code="decode_worker_lost",
-                ) from lost
-            self.num_attempts += 1
-            logger.warning(
-                "request %s: %s; resuming it elsewhere (failover %d of %d)",
-                gen.request_id,
-                why,
-                self.num_attempts,
-                self.max_attempts,
-            )
             try:
                 step = await gen.resume_elsewhere()
             except GatewayError as exc:
                 self._count("failed", gen.resume_method)
                 if exc.status_code not in (429, 503):  # a refusal retrying cannot change
                     raise
-                why = f"{lost.message}; then {exc.message}"
-                await asyncio.sleep(_BACKOFF_S * 2 ** (self.num_attempts - 1))
+                if time.monotonic() + backoff_s >= give_up_s:
+                    raise GatewayError(
+                        503,
+                        f"{lost.message}; then no decode worker took the request within "
+                        f"{self.wait_s:g} s (decode.failover_wait_s): {exc.message}",
+                        code="decode_worker_lost",
+                    ) from exc
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(2 * backoff_s, _MAX_BACKOFF_S)
                 continue
             self._count("resumed", gen.resume_method)
             return step

@@ -207,7 +207,7 @@ class Generation:
         try:
             delta = await read_delta(self._stream)
         except WorkerLost as lost:
-            return await self._failover.recover(self, lost)
+            return await self._failover.recover(self, lost, self.deadline_s)
         return await self._take(delta)
 
     async def _take(self, delta: decode_pb2.TokenDelta) -> Step:

@@ -55,7 +55,10 @@ class GatewaySettings(BaseModel):
     decode_failover: bool = Field(
         True, description="resume a stream whose decode worker was lost on another (decode.failover)"
     )
-    max_decode_failovers: int = Field(3, ge=0, description="failovers one request may take")
+    max_decode_failovers: int = Field(3, ge=0, description="decode workers one request may lose")
+    decode_failover_wait_s: float = Field(
+        60.0, ge=0, description="how long a failover waits for a decode worker to resume on (decode.*)"
+    )
     max_request_bytes: int = Field(
         8 * 2**20, ge=1, description="request body limit: past it a 413, before the JSON is parsed"
     )

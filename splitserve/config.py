@@ -217,6 +217,9 @@ class DecodePoolConfig(PoolConfig):
     requests on another worker (from the lost worker's stored state when it kept one, else by
     re-prefill of prompt + the tokens already sent; the stream goes on with no token repeated or
     missing); false ends those streams with a 503 error event.
+    `failover_wait_s`: how long such a stream may wait for a decode worker to resume on (all
+    others full or unreachable, or the only one being restarted by the controller), trying
+    again with a growing backoff; the request's own timeout bounds it too.
     `replay_window`: KDA decode in ReplaySSM form with a ring of this many step records
     (engine/replay_ring.py); each decode worker then keeps every request's state in its node's
     store as it decodes (prompt state + a piece every window, decode_worker/replay_publisher.py),
@@ -226,6 +229,7 @@ class DecodePoolConfig(PoolConfig):
     """
 
     failover: bool = True
+    failover_wait_s: float = Field(default=60.0, ge=0)
     # ReplaySSM: KDA decode keeps a checkpoint + a ring of this many step records per layer
     # (0: the plain recurrent path)
     replay_window: int = Field(default=0, ge=0)

@@ -68,6 +68,11 @@ class WorkerActorBase:
             "num_total_kv_blocks": snap.num_total_kv_blocks,
             "num_free_state_slots": snap.num_free_state_slots,
             "num_total_state_slots": snap.num_total_state_slots,
+            # slots in use that no running request or reservation holds: a leak (never freed)
+            "num_idle_held_slots": max(
+                0,
+                snap.num_total_state_slots - snap.num_free_state_slots - snap.num_running - snap.num_reserved,
+            ),
             "num_preemptions": snap.num_preemptions,
             # swap preemption (engine/swap_space.py; zeros when preempting by recompute)
             **{f"swap_{k}": v for k, v in dataclasses.asdict(snap.swap).items()},

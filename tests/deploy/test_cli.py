@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import socket
@@ -124,6 +125,14 @@ def test_the_status_table_has_a_row_per_actor_with_health_and_load():
     assert lines[2].split()[:3] == ["gateway", "0", "http://10.0.0.1:8000"]
     assert "running=3 waiting=1" in lines[3]
     assert "GAVE UP (actor died)" in lines[4]
+
+
+def test_the_status_table_names_a_worker_holding_slots_with_nothing_running():
+    leaking = copy.deepcopy(STATUS)
+    worker = leaking["pools"]["prefill"]["workers"][0]
+    worker["stats"] = {"num_running": 0, "num_idle_held_slots": 16}
+    row = status_table(leaking).splitlines()[3]
+    assert "yes (holds 16 state slots with nothing running)" in row
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -127,5 +128,62 @@ def test_failovers_are_bounded(tiny_model_path, script):
         events = stream_with_loss(gateway, doomed, BODY)
         error = json.loads(events[-2])["error"]
         assert (
-            error["code"] == "decode_worker_lost" and "gave up after 0 decode failovers" in error["message"]
+            error["code"] == "decode_worker_lost" and "gave up after losing 0 decode workers" in error["message"]
         )
+
+
+def _failed_tries(url: str) -> float:
+    metrics = httpx.get(f"{url}/metrics").text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("splitserve_decode_failovers_total{") and 'outcome="failed"' in line
+    )
+
+
+def _stream_losing_the_only_worker(gateway: Gateway, doomed: Doomed, lost) -> list[str]:
+    """Like `stream_with_loss`, but the lost worker stays the only one listed; `lost()` runs once
+    it is gone (on the streaming thread's side, while the gateway looks for another)."""
+    events: list[str] = []
+    with (
+        httpx.Client(base_url=gateway.url, timeout=60) as http,
+        http.stream("POST", "/v1/completions", json={**BODY, "stream": True}) as response,
+    ):
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 1 + NUM_BEFORE_LOSS:
+                    doomed.server.stop()
+                    lost()
+    return events
+
+
+def test_a_lost_stream_waits_for_a_decode_worker_to_come_back(tiny_model_path, script):
+    """The only decode worker dies: the stream waits (trying again with a backoff) until a worker
+    is there to resume on, as when the controller restarts the only one, and goes on exactly."""
+    with gateway_with_doomed_decode(tiny_model_path, script) as (gateway, doomed):
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+
+        def come_back() -> None:
+            def later() -> None:
+                deadline = time.monotonic() + 30
+                while _failed_tries(gateway.url) < 2:  # it looked, and found no worker, twice
+                    assert time.monotonic() < deadline, "the gateway never tried to resume"
+                    time.sleep(0.02)
+                gateway.router.update_workers(gateway.router.prefill_addresses, [doomed.healthy_address])
+
+            pool.submit(later)
+
+        events = _stream_losing_the_only_worker(gateway, doomed, come_back)
+        pool.shutdown()
+        assert events[-1] == "[DONE]" and not any("error" in e for e in events), events[-3:]
+        assert _text(events) == SCRIPT_TEXT
+        assert _failed_tries(gateway.url) >= 2
+
+
+def test_a_lost_stream_gives_up_after_the_failover_wait(tiny_model_path, script):
+    with gateway_with_doomed_decode(tiny_model_path, script, decode_failover_wait_s=0.5) as (gateway, doomed):
+        events = _stream_losing_the_only_worker(gateway, doomed, lambda: None)
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "decode_worker_lost", error
+        assert "no decode worker took the request within 0.5 s" in error["message"], error
