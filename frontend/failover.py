@@ -34,13 +34,13 @@ error event when streaming). Every lost stream, and every failed try, is counted
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Protocol
 
 import grpc
 
+from frontend.backoff import Backoff
 from frontend.clients import DecodeStream
 from frontend.errors import GatewayError
 from frontend.metrics import GatewayMetrics
@@ -53,8 +53,6 @@ logger = logging.getLogger(__name__)
 METHOD_REPREFILL = "reprefill"  # prompt + tokens sent, prefilled again
 METHOD_STORED = "stored_state"  # rebuilt from the lost worker's stored prompt state + ReplaySSM pieces
 _LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-_BACKOFF_S = 0.25  # first wait before trying again when no decode worker took the request
-_MAX_BACKOFF_S = 2.0
 
 
 class WorkerLost(GatewayError):
@@ -130,8 +128,7 @@ class DecodeFailover:
             self.num_attempts,
             self.max_attempts,
         )
-        give_up_s = min(deadline_s, time.monotonic() + self.wait_s)
-        backoff_s = _BACKOFF_S
+        backoff = Backoff(min(deadline_s, time.monotonic() + self.wait_s))
         while True:
             try:
                 step = await gen.resume_elsewhere()
@@ -139,15 +136,13 @@ class DecodeFailover:
                 self._count("failed", gen.resume_method)
                 if exc.status_code not in (429, 503):  # a refusal retrying cannot change
                     raise
-                if time.monotonic() + backoff_s >= give_up_s:
+                if not await backoff.wait():
                     raise GatewayError(
                         503,
                         f"{lost.message}; then no decode worker took the request within "
                         f"{self.wait_s:g} s (decode.failover_wait_s): {exc.message}",
                         code="decode_worker_lost",
                     ) from exc
-                await asyncio.sleep(backoff_s)
-                backoff_s = min(2 * backoff_s, _MAX_BACKOFF_S)
                 continue
             self._count("resumed", gen.resume_method)
             return step

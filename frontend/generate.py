@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import anyio
 import grpc
 
+from frontend.backoff import Backoff
 from frontend.clients import DecodeStream, WorkerClients
 from frontend.errors import GatewayError, over_capacity, unavailable
 from frontend.failover import METHOD_REPREFILL, METHOD_STORED, DecodeFailover, WorkerLost, read_delta
@@ -42,6 +43,14 @@ FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION  # a decode worker ref
 # A prompt whose prefill failed for want of its worker or that worker's store (503) is tried
 # again on another prefill worker or through prefill.fallback, at most this many times.
 MAX_PREFILL_RETRIES = 2
+
+
+class DecodeUnreachable(GatewayError):
+    """No decode worker could be reached for a reservation (the pool's workers are dead or being
+    restarted): the request may wait for one (`decode_failover_wait_s`)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, message, code="service_unavailable")
 
 
 class PrefillLost(GatewayError):
@@ -106,6 +115,9 @@ class Generation:
         self._decode_address: str | None = None
         self._prefill_address: str | None = None
         self._holds_reservation = False
+        # (store address, key) of the state the decode worker reads and then frees: freed here
+        # instead when that worker is lost before it could (a failover that re-prefills)
+        self._handoff: tuple[str, str] | None = None
         self._reserve_in_flight: asyncio.Future[decode_pb2.ReserveResponse] | None = None
         self._prefill_in_flight = False
         self._stream: DecodeStream | None = None
@@ -138,9 +150,14 @@ class Generation:
         worker computes the prompt, no store needed). Nothing reached the client yet, so the
         client sees one answer, with the tokens an unbroken run gives."""
         failed: list[str] = []
+        backoff = Backoff(min(self.deadline_s, time.monotonic() + self.p.settings.decode_failover_wait_s))
         while True:
             try:
                 return await self._start(failed)
+            except DecodeUnreachable:
+                await self._release_decode()
+                if not await backoff.wait():  # none came back in time: the 503 stands
+                    raise
             except PrefillLost as lost:
                 failed.append(lost.address)
                 await self._release_decode()
@@ -164,7 +181,10 @@ class Generation:
             num_prompt_tokens, self.params.max_tokens or 0, self.prefix_hashes, near=prefill_address
         )
         if not decode_candidates:
-            raise unavailable(_no_decode_worker(self.p.router.decode_addresses, self.p.router.unreachable()))
+            listed = self.p.router.decode_addresses
+            if not listed:
+                raise unavailable("no decode workers are available; try again later")
+            raise DecodeUnreachable(_no_decode_worker(listed, self.p.router.unreachable()))
         if prefill_address is None:
             return await self._start_on_decode(decode_candidates[0], failed_prefill)
         local = self._local_prefill_target(decode_candidates)
@@ -262,6 +282,10 @@ class Generation:
         if stream is not None:
             stream.cancel()
         await self._release_decode()  # a room an earlier failed attempt still holds
+        handoff, self._handoff = self._handoff, None
+        if handoff is not None and self._resume_from is None:  # the lost worker may not have freed it
+            with anyio.CancelScope(shield=True):
+                await self._quietly(self.p.clients.release_state(*handoff))
         self._resumed = list(self._output.received_ids)
         lost = stream.address if stream is not None else None
         if self._resume_from is not None:  # kept over attempts that found no worker to ask
@@ -480,17 +504,19 @@ class Generation:
                 if exc.status_code != 503:
                     raise
                 failures.append(exc.message)
+                await self.p.probe(address)  # unreachable: not ranked again until it answers
                 continue
             if response.accepted:
                 self._decode_address = address
                 self._holds_reservation = True
+                self._handoff = (response.store_address, response.state_key)
                 self.p.router.on_decode_reserved(address)
                 self.p.on_route(response.store_address)
                 return response
             rejections.append(f"{address}: {response.reject_reason or 'rejected'}")
         if rejections:
             raise over_capacity("every decode worker is full (" + "; ".join(rejections) + "); retry later")
-        raise unavailable("no decode worker could be reached: " + "; ".join(failures))
+        raise DecodeUnreachable("no decode worker could be reached: " + "; ".join(failures))
 
     async def _prefill(
         self, address: str, reservation: decode_pb2.ReserveResponse | None
@@ -569,8 +595,6 @@ class Generation:
 
 
 def _no_decode_worker(listed: tuple[str, ...], unreachable: dict[str, str]) -> str:
-    """Why no decode worker can be tried, for a 503."""
-    if not listed:
-        return "no decode workers are available; try again later"
+    """Why none of the `listed` decode workers can be tried, for a 503."""
     down = "; ".join(f"{a}: {unreachable[a]}" for a in listed if a in unreachable)
     return f"no decode worker can be reached ({down}); try again later"

@@ -218,8 +218,9 @@ class DecodePoolConfig(PoolConfig):
     re-prefill of prompt + the tokens already sent; the stream goes on with no token repeated or
     missing); false ends those streams with a 503 error event.
     `failover_wait_s`: how long such a stream may wait for a decode worker to resume on (all
-    others full or unreachable, or the only one being restarted by the controller), trying
-    again with a growing backoff; the request's own timeout bounds it too.
+    others full or unreachable, or the only one being restarted by the controller), and how long
+    a new request waits for one to be reachable at all, trying again with a growing backoff; the
+    request's own timeout bounds it too.
     `replay_window`: KDA decode in ReplaySSM form with a ring of this many step records
     (engine/replay_ring.py); each decode worker then keeps every request's state in its node's
     store as it decodes (prompt state + a piece every window, decode_worker/replay_publisher.py),

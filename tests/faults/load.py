@@ -23,6 +23,7 @@ class Outcome:
     """One request as its client saw it."""
 
     client: int
+    prompt: list[int] | str
     started_s: float  # time.monotonic()
     ended_s: float = 0.0
     status: int = 0  # the HTTP status; 0 when the connection itself failed
@@ -78,7 +79,7 @@ class ClosedLoopLoad:
             "logprobs": 0,
             "return_tokens_as_token_ids": True,
         }
-        outcome = Outcome(client=client, started_s=time.monotonic())
+        outcome = Outcome(client=client, prompt=body["prompt"], started_s=time.monotonic())
         try:
             with http.stream("POST", f"{self.url}/v1/completions", json=body) as response:
                 outcome.status = response.status_code

@@ -223,7 +223,9 @@ def test_no_workers_is_a_503(tiny_model_path, script):
 
 def test_unreachable_decode_worker_is_a_503(tiny_model_path, script):
     address = _closed_port_address()
-    with running_gateway(tiny_model_path, script, num_decode=0, extra_decode_addresses=[address]) as gw:
+    with running_gateway(
+        tiny_model_path, script, num_decode=0, extra_decode_addresses=[address], decode_failover_wait_s=0.5
+    ) as gw:
         with pytest.raises(openai.InternalServerError) as caught:
             gw.openai().completions.create(model=MODEL, prompt="hi")
         assert caught.value.status_code == 503
