@@ -4,8 +4,17 @@ A deployment's controller makes one random token (`new_cluster_token`) and hands
 actor it starts (through Ray, never a command line or an environment variable); each process
 holds it with `set_cluster_token`. From then on the servers and channels `splitserve.rpc` makes
 in that process carry it: every client call sends it as call metadata, every server refuses a
-call without it (UNAUTHENTICATED) before any servicer runs. The gRPC health service stays open,
-so probes that cannot hold a token (a load balancer, a kubelet) can still ask for liveness.
+call without it (UNAUTHENTICATED) at call start, from the call's metadata: before any servicer
+runs and before its request message is read. The gRPC health service stays open, so probes that
+cannot hold a token (a load balancer, a kubelet) can still ask for liveness.
+
+Why "before it is read" needs care: a grpc-python server (threaded or grpc.aio) reads a
+unary-request method's whole message, up to the server's message limit, before the handler's
+behaviour runs, so a refusal as a unary handler still let a caller without the token park 64 MiB
+per call in the server (16 concurrent 58 MB calls took the store from 120 MB to 1.4 GB). A
+request-streaming handler reads nothing until its behaviour asks for a message; the refusal is
+one, and never asks. A refused call's bytes stop at the transport's flow-control window
+(measured: ~4 MB on the wire per refused 58 MB call, the server's RSS flat; docs/PERFORMANCE.md).
 
 The token is a secret: never log it, nor put it in an error message. A process that holds no
 token (offline tests, a single engine) makes open servers and plain channels, as before.
@@ -53,27 +62,27 @@ def _holds_token(metadata: Any, token: str) -> bool:
     return False
 
 
-def _same_kind(handler: grpc.RpcMethodHandler, behaviour: Callable[..., Any]) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming kind as `handler` that runs `behaviour` instead."""
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(behaviour)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(behaviour)
+def _unread_refusal(handler: grpc.RpcMethodHandler, refuse: Callable[..., Any]) -> grpc.RpcMethodHandler:
+    """A handler that runs `refuse` in place of `handler` without reading the request: always
+    request-streaming (whatever `handler`'s kind; the client cannot tell, it only sees the
+    status), so the server asks the transport for no message until `refuse` iterates, which it
+    never does. The response kind follows `handler`'s."""
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(behaviour)
-    return grpc.unary_unary_rpc_method_handler(behaviour)
+        return grpc.stream_stream_rpc_method_handler(refuse)
+    return grpc.stream_unary_rpc_method_handler(refuse)
 
 
-def _refuse(_: Any, context: grpc.ServicerContext) -> Any:
-    context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
+def _refuse(_requests: Any, context: grpc.ServicerContext) -> Any:
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)  # never iterates `_requests`
 
 
-async def _aio_refuse(_: Any, context: grpc.aio.ServicerContext) -> Any:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
+async def _aio_refuse(_requests: Any, context: grpc.aio.ServicerContext) -> Any:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)  # never iterates `_requests`
 
 
 class TokenCheck(grpc.ServerInterceptor):
-    """Server side (threaded servers): calls without the token are refused before any servicer."""
+    """Server side (threaded servers): calls without the token are refused at call start, from
+    their metadata, before any servicer runs or their request is read."""
 
     def __init__(self, token: str) -> None:
         self._token = token
@@ -88,11 +97,11 @@ class TokenCheck(grpc.ServerInterceptor):
             return handler
         if _holds_token(details.invocation_metadata, self._token):
             return handler
-        return _same_kind(handler, _refuse)
+        return _unread_refusal(handler, _refuse)
 
 
 class AioTokenCheck(grpc.aio.ServerInterceptor):
-    """Server side (grpc.aio servers, e.g. the state store): the same check."""
+    """Server side (grpc.aio servers, e.g. the state store): the same check, also unread."""
 
     def __init__(self, token: str) -> None:
         self._token = token
@@ -107,7 +116,7 @@ class AioTokenCheck(grpc.aio.ServerInterceptor):
             return handler
         if _holds_token(details.invocation_metadata, self._token):
             return handler
-        return _same_kind(handler, _aio_refuse)
+        return _unread_refusal(handler, _aio_refuse)
 
 
 class _Details(grpc.ClientCallDetails):  # type: ignore[misc]

@@ -121,10 +121,18 @@ def test_the_aio_state_store_refuses_calls_without_the_token(token: str) -> None
     server = StateStoreServer(store, "127.0.0.1", 0)
     try:
         with _bare_channel(server.address) as bare:
+            stub = store_pb2_grpc.StateStoreStub(bare)
             with pytest.raises(grpc.RpcError) as refused:
-                store_pb2_grpc.StateStoreStub(bare).Stats(store_pb2.StatsRequest(), timeout=10)
+                stub.Stats(store_pb2.StatsRequest(), timeout=10)
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as refused_stream:  # a server stream
+                list(stub.Get(store_pb2.GetRequest(key="k"), timeout=10))
+            assert refused_stream.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as refused_put:  # a client stream
+                stub.Put(iter([common_pb2.StateChunk(key="k", data=b"x")]), timeout=10)
+            assert refused_put.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert rpc.check_health(bare)
+        assert store.stats().num_keys == 0  # the refused Put stored nothing
         with StateStoreClient(server.address, timeout_s=10) as client:
             assert client.stats().num_keys == 0
         rpc_auth.set_cluster_token(None)
