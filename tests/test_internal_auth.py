@@ -153,3 +153,23 @@ def test_without_a_token_servers_and_channels_are_open_as_before() -> None:
         assert fake.num_stats_calls == 1
     finally:
         server.stop()
+
+
+def test_a_caller_with_the_token_is_still_held_to_the_message_limit(token: str) -> None:
+    limit_bytes = 1 << 20
+    fake = FakeDecode(Script([5]))
+    server = rpc.make_server(max_workers=4, max_message_bytes=limit_bytes)
+    decode_pb2_grpc.add_DecodeServicer_to_server(fake, server)
+    port = rpc.bind(server, "127.0.0.1", 0)
+    server.start()
+    try:
+        with rpc.make_channel(f"127.0.0.1:{port}") as channel:  # sends the token; its own limit is 64 MiB
+            stub = decode_pb2_grpc.DecodeStub(channel)
+            too_long = decode_pb2.ReserveRequest(request_id="r" * (limit_bytes + 1))
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Reserve(too_long, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert stub.Stats(decode_pb2.DecodeStatsRequest(), timeout=10).num_total_state_slots == 8
+        assert fake.reserves == []
+    finally:
+        server.stop(grace=None).wait(10)
