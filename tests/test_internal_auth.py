@@ -5,11 +5,13 @@ and grpc.aio channels; health checks stay open; the token appears in no log line
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Iterator
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from frontend.clients import WorkerClients
 from frontend.errors import GatewayError
@@ -173,3 +175,41 @@ def test_a_caller_with_the_token_is_still_held_to_the_message_limit(token: str) 
         assert fake.reserves == []
     finally:
         server.stop(grace=None).wait(10)
+
+
+@contextlib.contextmanager
+def _server_with_health_only(kind: str) -> Iterator[str]:
+    """A threaded server as the workers start theirs, or the grpc.aio store; yields its address."""
+    if kind == "threaded":
+        server, address, _ = rpc.start_server(lambda _: None, "127.0.0.1", 0)
+        try:
+            yield address
+        finally:
+            server.stop(grace=None).wait(10)
+        return
+    store = StateStore(MemoryTier(8 << 20))
+    try:
+        with StateStoreServer(store, "127.0.0.1", 0) as store_server:
+            yield store_server.address
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("server_kind", ["threaded", "aio"])
+def test_a_tokenless_health_check_is_answered_without_reading_its_request(
+    token: str, server_kind: str
+) -> None:
+    """The open health service answers a caller without the token as if its request were empty
+    (the server's own status): the `service` it names is never read. A caller with the token
+    gets the full protocol (NOT_FOUND for a service the server does not know)."""
+    unknown = health_pb2.HealthCheckRequest(service="no.such.Service")
+    with _server_with_health_only(server_kind) as address:
+        with _bare_channel(address) as bare:
+            health_stub = health_pb2_grpc.HealthStub(bare)
+            assert health_stub.Check(unknown, timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+            watch = health_stub.Watch(unknown, timeout=10)
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            watch.cancel()
+        with rpc.make_channel(address) as channel, pytest.raises(grpc.RpcError) as not_found:
+            health_pb2_grpc.HealthStub(channel).Check(unknown, timeout=10)
+        assert not_found.value.code() == grpc.StatusCode.NOT_FOUND
