@@ -17,7 +17,7 @@ import pytest
 
 from experiments.server_process import ServerProcess, wait_until_told
 from splitserve import rpc, rpc_auth
-from splitserve.v1 import decode_pb2, decode_pb2_grpc, store_pb2, store_pb2_grpc
+from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, store_pb2, store_pb2_grpc
 
 NUM_CALLS = 16
 MESSAGE_BYTES = 58 << 20  # under the servers' 64 MiB limit: read whole today if the server asks
@@ -33,6 +33,21 @@ def serve_decode(conn: Connection, token: str) -> None:
     register = lambda server: decode_pb2_grpc.add_DecodeServicer_to_server(fake, server)  # noqa: E731
     server, address, _ = rpc.start_server(register, "127.0.0.1", 0)
     conn.send(address)
+    wait_until_told(conn)
+    server.stop(grace=None).wait(10)
+
+
+def serve_decode_on_two_threads(conn: Connection, token: str) -> None:
+    """A worker's server (the workers' options) with 2 threads, each Decode holding its thread
+    after its first delta until cancelled."""
+    from tests.frontend.fakes import FakeDecode, Script
+
+    rpc_auth.set_cluster_token(token)
+    server = rpc.make_server(max_workers=2)
+    decode_pb2_grpc.add_DecodeServicer_to_server(FakeDecode(Script([5, 6, 7]), hang_after=1), server)
+    port = rpc.bind(server, "127.0.0.1", 0)
+    server.start()
+    conn.send(f"127.0.0.1:{port}")
     wait_until_told(conn)
     server.stop(grace=None).wait(10)
 
@@ -73,7 +88,7 @@ def _peak_rss_bytes(pid: int) -> int:
     raise AssertionError(f"/proc/{pid}/status has no VmHWM line")
 
 
-def _flood_without_token(address: str, method: str, message: bytes) -> Counter[str]:
+def _flood_without_token(address: str, method: str, message: bytes, timeout_s: float = 60.0) -> Counter[str]:
     """NUM_CALLS concurrent calls of `message` (raw bytes) to `method`, no token; their codes."""
     started = threading.Barrier(NUM_CALLS)
 
@@ -83,7 +98,7 @@ def _flood_without_token(address: str, method: str, message: bytes) -> Counter[s
         def one(_: int) -> str:
             started.wait(30)
             try:
-                call(message, timeout=60)
+                call(message, timeout=timeout_s)
             except grpc.RpcError as e:
                 return e.code().name
             return "OK"
@@ -125,3 +140,32 @@ def test_tokenless_large_calls_are_answered_before_the_server_reads_them(kind, t
     # them: +898 MiB on the threaded server, +1,394 MiB on the store; health checks, still read:
     # +1,015 and +1,051 MiB); unread, 18-56 MiB.
     assert growth < NUM_CALLS * MESSAGE_BYTES / 4, f"{kind} server's peak RSS grew {growth >> 20} MiB"
+
+
+def test_tokenless_calls_waiting_for_a_busy_server_are_not_taken_in() -> None:
+    """While every thread of the server is busy, a refusal waits its turn; the transport takes in
+    no more of those calls than its lookahead (rpc.SERVER_LOOKAHEAD_BYTES) meanwhile."""
+    token = rpc_auth.new_cluster_token()
+    with ServerProcess(serve_decode_on_two_threads, (token,), name="busy-decode-server") as server:
+        assert server.pid is not None
+        with grpc.insecure_channel(server.address) as channel:
+            stub = decode_pb2_grpc.DecodeStub(channel)
+            request = decode_pb2.DecodeRequest(sampling_params=common_pb2.SamplingParams())
+            metadata = [(rpc_auth.TOKEN_METADATA_KEY, token)]
+            held = [stub.Decode(request, timeout=120, metadata=metadata) for _ in range(2)]
+            assert all(next(stream).token_ids for stream in held)  # both threads hold a Decode now
+            peak_before = _peak_rss_bytes(server.pid)
+            # The calls end at their deadline: no thread runs their refusal before it.
+            codes = _flood_without_token(
+                server.address, "/splitserve.v1.Decode/Stats", bytes(MESSAGE_BYTES), 4.0
+            )
+            growth = _peak_rss_bytes(server.pid) - peak_before
+            for stream in held:
+                stream.cancel()
+            _stats_with_token("decode", server.address, token)
+    assert codes == Counter({"DEADLINE_EXCEEDED": NUM_CALLS})
+    # Measured: 16 MiB, one lookahead per call. With gRPC's BDP probing on, the window grows with
+    # the link's delay: 8-16 MiB per call on this loopback (+128-257 MiB), all of each 58 MB
+    # call behind a relaying proxy (+935 MiB).
+    bound = NUM_CALLS * 4 * rpc.SERVER_LOOKAHEAD_BYTES
+    assert growth < bound, f"the busy server's peak RSS grew {growth >> 20} MiB"
