@@ -51,7 +51,7 @@ MAX_RECONNECT_BACKOFF_MS = 2_000
 # whole: 16 tokenless 58 MB calls to a server whose 2 threads were busy, +128-257 MiB on loopback,
 # +935 MiB (all of it) behind a relaying proxy. With the probe off the window stays at the
 # lookahead until the handler reads (+16 MiB); a read still opens it to the message's size.
-# 1 MiB, not gRPC's 64 KiB: at 64 KiB, 64 KiB messages uploaded at half the rate (PERFORMANCE.md).
+# 1 MiB, not gRPC's 64 KiB: at 64 KiB, 64 KiB messages uploaded at 0.4-0.7x the rate (PERFORMANCE.md 15).
 SERVER_LOOKAHEAD_BYTES = 1 << 20
 
 

@@ -15,9 +15,9 @@ unary-request method's whole message, up to the server's message limit, before t
 behaviour runs, so a refusal as a unary handler still let a caller without the token park 64 MiB
 per call in the server (16 concurrent 58 MB calls took the store from 120 MB to 1.4 GB). A
 request-streaming handler reads nothing until its behaviour asks for a message; the refusal (and
-the open answer) is one, and never asks. A refused call's bytes stop at the transport's
-flow-control window (measured: ~4 MB on the wire per refused 58 MB call, the server's RSS flat;
-docs/PERFORMANCE.md).
+the open answer) is one, and never asks. A refused call's bytes then stop at the server's
+lookahead (`splitserve.rpc.SERVER_LOOKAHEAD_BYTES`): measured, 16 refused 58 MB calls put 10-14
+MB on the wire and +2-3 MiB on the server's peak RSS (docs/PERFORMANCE.md, section 15).
 
 The token is a secret: never log it, nor put it in an error message. A process that holds no
 token (offline tests, a single engine) makes open servers and plain channels, as before.
