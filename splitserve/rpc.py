@@ -45,9 +45,21 @@ MAX_PING_STRIKES = 2  # gRPC's default, kept: a peer pinging faster than the pol
 MAX_RECONNECT_BACKOFF_MS = 2_000
 
 
+# What a server's transport takes in on a call before its handler asks for a message. gRPC's BDP
+# probing grows that window with the link's bandwidth x delay, so a call whose handler had not
+# run yet (a busy pool; a refusal waiting its turn, splitserve.rpc_auth) was taken in, up to
+# whole: 16 tokenless 58 MB calls to a server whose 2 threads were busy, +128-257 MiB on loopback,
+# +935 MiB (all of it) behind a relaying proxy. With the probe off the window stays at the
+# lookahead until the handler reads (+16 MiB); a read still opens it to the message's size.
+# 1 MiB, not gRPC's 64 KiB: at 64 KiB, 64 KiB messages uploaded at 0.4-0.7x the rate (PERFORMANCE.md 15).
+SERVER_LOOKAHEAD_BYTES = 1 << 20
+
+
 def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> Options:
     return [
         *message_options(max_message_bytes),
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.lookahead_bytes", SERVER_LOOKAHEAD_BYTES),
         ("grpc.so_reuseport", 0),  # SO_REUSEPORT would let two servers share a port and split traffic
         ("grpc.keepalive_permit_without_calls", 1),
         # GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS; an unknown key is silently ignored

@@ -4,8 +4,20 @@ A deployment's controller makes one random token (`new_cluster_token`) and hands
 actor it starts (through Ray, never a command line or an environment variable); each process
 holds it with `set_cluster_token`. From then on the servers and channels `splitserve.rpc` makes
 in that process carry it: every client call sends it as call metadata, every server refuses a
-call without it (UNAUTHENTICATED) before any servicer runs. The gRPC health service stays open,
-so probes that cannot hold a token (a load balancer, a kubelet) can still ask for liveness.
+call without it (UNAUTHENTICATED) at call start, from the call's metadata: before any servicer
+runs and before its request message is read. The gRPC health service stays open, so probes that
+cannot hold a token (a load balancer, a kubelet) can still ask for liveness; a caller without the
+token is answered as if its request were empty (the server's own status, whichever `service` it
+names), its request unread too. A caller with the token gets the full health protocol.
+
+Why "before it is read" needs care: a grpc-python server (threaded or grpc.aio) reads a
+unary-request method's whole message, up to the server's message limit, before the handler's
+behaviour runs, so a refusal as a unary handler still let a caller without the token park 64 MiB
+per call in the server (16 concurrent 58 MB calls took the store from 120 MB to 1.4 GB). A
+request-streaming handler reads nothing until its behaviour asks for a message; the refusal (and
+the open answer) is one, and never asks. A refused call's bytes then stop at the server's
+lookahead (`splitserve.rpc.SERVER_LOOKAHEAD_BYTES`): measured, 16 refused 58 MB calls put 10-14
+MB on the wire and +2-3 MiB on the server's peak RSS (docs/PERFORMANCE.md, section 15).
 
 The token is a secret: never log it, nor put it in an error message. A process that holds no
 token (offline tests, a single engine) makes open servers and plain channels, as before.
@@ -53,27 +65,62 @@ def _holds_token(metadata: Any, token: str) -> bool:
     return False
 
 
-def _same_kind(handler: grpc.RpcMethodHandler, behaviour: Callable[..., Any]) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming kind as `handler` that runs `behaviour` instead."""
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(behaviour)
+def _unread(handler: grpc.RpcMethodHandler, behaviour: Callable[..., Any]) -> grpc.RpcMethodHandler:
+    """`behaviour` in place of `handler`'s, as a handler that reads no request until `behaviour`
+    iterates its requests: always request-streaming (whatever `handler`'s kind; the client cannot
+    tell), so the server asks the transport for no message before. The response kind and
+    serializer follow `handler`'s."""
+    kind = (
+        grpc.stream_stream_rpc_method_handler
+        if handler.response_streaming
+        else grpc.stream_unary_rpc_method_handler
+    )
+    return kind(behaviour, response_serializer=handler.response_serializer)
+
+
+def _empty_request(handler: grpc.RpcMethodHandler) -> Any:
+    """The request message with every field at its default (the empty message's bytes)."""
+    return handler.request_deserializer(b"") if handler.request_deserializer else b""
+
+
+def _unread_answer(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """An open unary-request method for a caller without the token: answered as if its request
+    were empty, without reading it (for health, the server's own status, whichever `service`
+    the request names). Request-streaming methods pass as they are (health has none)."""
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(behaviour)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(behaviour)
-    return grpc.unary_unary_rpc_method_handler(behaviour)
+        return handler
+    behaviour = handler.unary_stream if handler.response_streaming else handler.unary_unary
+
+    def answer(_requests: Any, context: grpc.ServicerContext) -> Any:
+        return behaviour(_empty_request(handler), context)  # never iterates `_requests`
+
+    return _unread(handler, answer)
 
 
-def _refuse(_: Any, context: grpc.ServicerContext) -> Any:
-    context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
+def _aio_unread_answer(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """`_unread_answer` for grpc.aio, whose health servicer's methods are coroutines (`Watch`
+    writes its responses through the context)."""
+    if handler.request_streaming:
+        return handler
+    behaviour = handler.unary_stream if handler.response_streaming else handler.unary_unary
+
+    async def answer(_requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await behaviour(_empty_request(handler), context)  # never iterates `_requests`
+
+    return _unread(handler, answer)
 
 
-async def _aio_refuse(_: Any, context: grpc.aio.ServicerContext) -> Any:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
+def _refuse(_requests: Any, context: grpc.ServicerContext) -> Any:
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)  # never iterates `_requests`
+
+
+async def _aio_refuse(_requests: Any, context: grpc.aio.ServicerContext) -> Any:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)  # never iterates `_requests`
 
 
 class TokenCheck(grpc.ServerInterceptor):
-    """Server side (threaded servers): calls without the token are refused before any servicer."""
+    """Server side (threaded servers): calls without the token are refused at call start, from
+    their metadata, before any servicer runs or their request is read."""
 
     def __init__(self, token: str) -> None:
         self._token = token
@@ -84,15 +131,15 @@ class TokenCheck(grpc.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         handler = continuation(details)
-        if handler is None or details.method.startswith(OPEN_SERVICE_PREFIX):
+        if handler is None or _holds_token(details.invocation_metadata, self._token):
             return handler
-        if _holds_token(details.invocation_metadata, self._token):
-            return handler
-        return _same_kind(handler, _refuse)
+        if details.method.startswith(OPEN_SERVICE_PREFIX):
+            return _unread_answer(handler)
+        return _unread(handler, _refuse)
 
 
 class AioTokenCheck(grpc.aio.ServerInterceptor):
-    """Server side (grpc.aio servers, e.g. the state store): the same check."""
+    """Server side (grpc.aio servers, e.g. the state store): the same check, also unread."""
 
     def __init__(self, token: str) -> None:
         self._token = token
@@ -103,11 +150,11 @@ class AioTokenCheck(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(details)
-        if handler is None or details.method.startswith(OPEN_SERVICE_PREFIX):
+        if handler is None or _holds_token(details.invocation_metadata, self._token):
             return handler
-        if _holds_token(details.invocation_metadata, self._token):
-            return handler
-        return _same_kind(handler, _aio_refuse)
+        if details.method.startswith(OPEN_SERVICE_PREFIX):
+            return _aio_unread_answer(handler)
+        return _unread(handler, _aio_refuse)
 
 
 class _Details(grpc.ClientCallDetails):  # type: ignore[misc]

@@ -5,11 +5,13 @@ and grpc.aio channels; health checks stay open; the token appears in no log line
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Iterator
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from frontend.clients import WorkerClients
 from frontend.errors import GatewayError
@@ -121,10 +123,18 @@ def test_the_aio_state_store_refuses_calls_without_the_token(token: str) -> None
     server = StateStoreServer(store, "127.0.0.1", 0)
     try:
         with _bare_channel(server.address) as bare:
+            stub = store_pb2_grpc.StateStoreStub(bare)
             with pytest.raises(grpc.RpcError) as refused:
-                store_pb2_grpc.StateStoreStub(bare).Stats(store_pb2.StatsRequest(), timeout=10)
+                stub.Stats(store_pb2.StatsRequest(), timeout=10)
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as refused_stream:  # a server stream
+                list(stub.Get(store_pb2.GetRequest(key="k"), timeout=10))
+            assert refused_stream.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as refused_put:  # a client stream
+                stub.Put(iter([common_pb2.StateChunk(key="k", data=b"x")]), timeout=10)
+            assert refused_put.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert rpc.check_health(bare)
+        assert store.stats().num_keys == 0  # the refused Put stored nothing
         with StateStoreClient(server.address, timeout_s=10) as client:
             assert client.stats().num_keys == 0
         rpc_auth.set_cluster_token(None)
@@ -145,3 +155,61 @@ def test_without_a_token_servers_and_channels_are_open_as_before() -> None:
         assert fake.num_stats_calls == 1
     finally:
         server.stop()
+
+
+def test_a_caller_with_the_token_is_still_held_to_the_message_limit(token: str) -> None:
+    limit_bytes = 1 << 20
+    fake = FakeDecode(Script([5]))
+    server = rpc.make_server(max_workers=4, max_message_bytes=limit_bytes)
+    decode_pb2_grpc.add_DecodeServicer_to_server(fake, server)
+    port = rpc.bind(server, "127.0.0.1", 0)
+    server.start()
+    try:
+        with rpc.make_channel(f"127.0.0.1:{port}") as channel:  # sends the token; its own limit is 64 MiB
+            stub = decode_pb2_grpc.DecodeStub(channel)
+            too_long = decode_pb2.ReserveRequest(request_id="r" * (limit_bytes + 1))
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Reserve(too_long, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert stub.Stats(decode_pb2.DecodeStatsRequest(), timeout=10).num_total_state_slots == 8
+        assert fake.reserves == []
+    finally:
+        server.stop(grace=None).wait(10)
+
+
+@contextlib.contextmanager
+def _server_with_health_only(kind: str) -> Iterator[str]:
+    """A threaded server as the workers start theirs, or the grpc.aio store; yields its address."""
+    if kind == "threaded":
+        server, address, _ = rpc.start_server(lambda _: None, "127.0.0.1", 0)
+        try:
+            yield address
+        finally:
+            server.stop(grace=None).wait(10)
+        return
+    store = StateStore(MemoryTier(8 << 20))
+    try:
+        with StateStoreServer(store, "127.0.0.1", 0) as store_server:
+            yield store_server.address
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("server_kind", ["threaded", "aio"])
+def test_a_tokenless_health_check_is_answered_without_reading_its_request(
+    token: str, server_kind: str
+) -> None:
+    """The open health service answers a caller without the token as if its request were empty
+    (the server's own status): the `service` it names is never read. A caller with the token
+    gets the full protocol (NOT_FOUND for a service the server does not know)."""
+    unknown = health_pb2.HealthCheckRequest(service="no.such.Service")
+    with _server_with_health_only(server_kind) as address:
+        with _bare_channel(address) as bare:
+            health_stub = health_pb2_grpc.HealthStub(bare)
+            assert health_stub.Check(unknown, timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+            watch = health_stub.Watch(unknown, timeout=10)
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            watch.cancel()
+        with rpc.make_channel(address) as channel, pytest.raises(grpc.RpcError) as not_found:
+            health_pb2_grpc.HealthStub(channel).Check(unknown, timeout=10)
+        assert not_found.value.code() == grpc.StatusCode.NOT_FOUND
