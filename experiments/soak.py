@@ -1,16 +1,16 @@
 """Soak: mixed load with random worker kills for N minutes; errors by kind, leaks, latency drift.
 
     python -m experiments.soak --minutes 10 [--attach NAME | --replicas 2] [--concurrency 8]
-                               [--kill-every-s 45] [--json soak.json]
+                               [--kill-every-s 45] [--kill prefill,decode,store] [--json soak.json]
 
 Starts a local deployment of the tiny model (`--replicas` prefill and decode workers, so a kill
 leaves one of each serving while the controller restarts the other) or attaches to a
 running one (`--attach`, the deployment's name). `--concurrency` clients send requests back to
 back: streaming or not, short or long prompts, one prompt or two (the gateway refuses n > 1),
 greedy or seeded, and some of them hang up midway (a stream after a few events, a whole
-response after a short wait). Every `--kill-every-s` seconds one worker, prefill or decode in
-turn, is SIGKILLed through the pid its controller reports (so the soak must run on the workers'
-machine); the controller restarts it.
+response after a short wait). Every `--kill-every-s` seconds one process, a prefill worker, a
+decode worker or a node's state store in turn (`--kill`), is SIGKILLed through the pid its
+controller reports (so the soak must run on the workers' machine); the controller restarts it.
 
 The report: requests by outcome ("ok", "disconnected" on purpose, each error kind: HTTP status
 and error code, an error event inside a stream, a transport failure); the kills; what the
@@ -166,11 +166,14 @@ async def drive(url: str, model: str, seconds: float, concurrency: int, seed: in
 
 
 class Killer:
-    """SIGKILLs one worker every `every_s` seconds (prefill and decode in turn) by the pid its
-    controller reports; records each kill. Runs on its own thread until `stop`."""
+    """SIGKILLs one process every `every_s` seconds, a worker of each of `targets` in turn
+    ("prefill", "decode", or "store": the node's state store) by the pid its controller reports;
+    records each kill. Runs on its own thread until `stop`."""
 
-    def __init__(self, controller: Any, every_s: float, seed: int) -> None:
-        self.controller, self.every_s = controller, every_s
+    def __init__(
+        self, controller: Any, every_s: float, seed: int, targets: tuple[str, ...] = ("prefill", "decode")
+    ) -> None:
+        self.controller, self.every_s, self.targets = controller, every_s, targets
         self.kills: list[dict[str, Any]] = []
         self._rng = random.Random(seed)
         self._stop = threading.Event()
@@ -188,11 +191,11 @@ class Killer:
             self._thread.join()
 
     def _run(self) -> None:
-        pools = ["prefill", "decode"]
         while not self._stop.wait(self.every_s * self._rng.uniform(0.7, 1.3)):
-            pool = pools[len(self.kills) % 2]
+            pool = self.targets[len(self.kills) % len(self.targets)]
             status = ray.get(self.controller.status.remote(), timeout=60)
-            rows = [r for r in status["pools"].get(pool, {}).get("workers", []) if r["healthy"] and r["pid"]]
+            rows = status["stores"] if pool == "store" else status["pools"].get(pool, {}).get("workers", [])
+            rows = [r for r in rows if r["healthy"] and r["pid"]]
             if not rows:
                 continue
             row = self._rng.choice(rows)
@@ -310,7 +313,7 @@ def soak(controller: Any, url: str, model: str, args: argparse.Namespace) -> dic
     asyncio.run(drive(url, model, min(10.0, args.minutes * 6), args.concurrency, args.seed + 1))  # warm-up
     start = drained(controller)
     load_began = os.getloadavg()[0]
-    killer = Killer(controller, args.kill_every_s, args.seed).start()
+    killer = Killer(controller, args.kill_every_s, args.seed, tuple(args.kill.split(","))).start()
     seconds = args.minutes * 60
     try:
         outcomes = asyncio.run(drive(url, model, seconds, args.concurrency, args.seed))
@@ -399,6 +402,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--kill-every-s", type=float, default=45.0, help="0: no kills")
+    parser.add_argument(
+        "--kill",
+        default="prefill,decode,store",
+        help="what is killed, in turn: a prefill worker, a decode worker, the node's state store",
+    )
     parser.add_argument("--attach", default=None, help="the name of a running deployment to soak")
     parser.add_argument(
         "--replicas", type=int, default=2, help="workers per pool of a deployment started here"

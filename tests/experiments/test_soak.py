@@ -31,7 +31,7 @@ def test_a_short_soak_reports_errors_leaks_and_drift(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "r.json").read_text()) == report
     assert report["num_requests"] > 0 and sum(report["outcomes"].values()) == report["num_requests"]
     assert "pending" not in report["outcomes"], report["outcomes"]  # every request ended
-    assert report["kills"] and {k["pool"] for k in report["kills"]} <= {"prefill", "decode"}
+    assert report["kills"] and {k["pool"] for k in report["kills"]} <= {"prefill", "decode", "store"}
     leaks = report["leaks"]
     for snap in (leaks["start"], leaks["end"]):
         assert set(snap["pools"]) == {"prefill", "decode"} and snap["gateway_rss_bytes"] > 0
