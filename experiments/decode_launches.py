@@ -38,11 +38,10 @@ from splitserve import SamplingParams
 from splitserve.engine.cache_pool import allocate_caches
 from splitserve.engine.cache_spec import CachePlan
 from splitserve.engine.loader import materialize
-from splitserve.engine.model import moe
 from splitserve.engine.model.kimi_linear import KimiLinearForCausalLM, LayerCaches
 from splitserve.engine.model_config import KimiLinearModelConfig
 from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.ops import fused_moe, paged_mla_triton
+from splitserve.engine.ops import backend, fused_moe, kda_dispatch, paged_mla, triton_kernel
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler, SamplingRow
 from splitserve.engine.scheduler import ScheduledRequest
@@ -167,28 +166,17 @@ def _fla_stub(counter: LaunchCounter) -> dict[str, types.ModuleType]:
 @contextlib.contextmanager
 def cuda_code_path(counter: LaunchCounter) -> Iterator[None]:
     """Every backend choice made as on a CUDA device with triton and fla; every launch counted."""
-    from splitserve.engine.ops import backend
-
-    env = {"SPLITSERVE_MLA_BACKEND": "triton", "SPLITSERVE_KDA_BACKEND": "fla"}
-
-    def experts_fused(self: moe.Experts, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return fused_moe.fused_moe(x, self.w13, self.w2, w, ids)
-
+    env = {
+        env: "triton"
+        for env in (paged_mla.BACKEND_ENV, fused_moe.BACKEND_ENV, triton_kernel.FUSED_BACKEND_ENV)
+    }
+    env[kda_dispatch.BACKEND_ENV] = "fla"
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.dict(os.environ, env))
         stack.enter_context(mock.patch.dict(sys.modules, _fla_stub(counter)))
-        backend.importable.cache_clear()
+        backend.importable.cache_clear()  # fla is importable now, and not after
         stack.callback(backend.importable.cache_clear)
-        stack.enter_context(mock.patch.object(moe.Experts, "forward", experts_fused))
-        stack.enter_context(
-            mock.patch.object(paged_mla_triton, "_kernel", lambda: CountedLaunch(counter, "paged_mla"))
-        )
-        stack.enter_context(
-            mock.patch.object(fused_moe, "_kernel", lambda: CountedLaunch(counter, "grouped_gemm"))
-        )
-        stack.enter_context(
-            mock.patch.object(fused_moe, "_align_kernel", lambda: CountedLaunch(counter, "moe_align"))
-        )
+        stack.enter_context(triton_kernel.stand_in(lambda name: CountedLaunch(counter, name)))
         yield
 
 

@@ -23,7 +23,10 @@ def test_the_counter_sees_each_layers_kernels_in_its_module():
         launch = "triton:paged_mla" if kind == "full_attention" else "fla:fused_recurrent_kda_fwd"
         assert step.counts[(attention, launch)] == 1, (layer, kind)
         if config.mlp_layer_types[layer] == "sparse":
-            assert step.counts[(f"model.layers.{layer}.block_sparse_moe.experts", "triton:grouped_gemm")] == 2
+            assert (
+                step.counts[(f"model.layers.{layer}.block_sparse_moe.experts", "triton:moe_grouped_gemm")]
+                == 2
+            )
     assert step.counts[(decode_launches.RUNNER, "host_to_device_copy")] == 1
     assert step.counts[(decode_launches.SAMPLER, "device_to_host_copy")] == 1
     assert step.total == sum(step.per_layer()) + sum(step.outside_layers().values())

@@ -14,7 +14,7 @@ from torch import nn
 
 from splitserve.engine.model.layers import GatedMLP
 from splitserve.engine.model_config import KimiLinearModelConfig
-from splitserve.engine.ops.fused_moe import fused_moe, triton_available
+from splitserve.engine.ops.fused_moe import fused_moe, moe_backend
 from splitserve.engine.ops.moe_reference import moe_experts_torch
 
 
@@ -52,7 +52,8 @@ class TopKRouter(nn.Module):
 class Experts(nn.Module):
     """Routed experts as stacked weights: `w13` [E, 2I, H] (gate; up) and `w2` [E, H, I].
 
-    On CUDA with triton installed the fused Triton kernel runs; elsewhere the torch reference.
+    On CUDA with triton installed the fused Triton kernel runs; elsewhere the torch reference
+    (`SPLITSERVE_MOE_BACKEND=torch|triton` forces either).
     """
 
     def __init__(self, config: KimiLinearModelConfig) -> None:
@@ -62,7 +63,7 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.zeros(e, h, i))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and triton_available():
+        if moe_backend(x.device) == "triton":
             return fused_moe(x, self.w13, self.w2, weights, expert_ids)
         return moe_experts_torch(x, self.w13, self.w2, weights, expert_ids)
 

@@ -7,20 +7,21 @@ program), then `h w2` times the routing weight into [P, H]; a token's `k` rows a
 The launch grid is sized from the upper bound on padded rows, so nothing waits for the host
 (blocks past the end exit at once) and the whole call can be captured in a CUDA graph.
 
-`triton` is imported only when a kernel is first used: a node without it runs the torch path.
-Set `TRITON_INTERPRET=1` before the first import to run the kernel on CPU tensors (tests).
+The kernels live in ops/fused_moe_triton.py, imported only when one is first used: a node without
+triton runs the torch path. Set `TRITON_INTERPRET=1` before the first import to run them on CPU
+tensors (tests).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
-logger = logging.getLogger(__name__)
+from splitserve.engine.ops.backend import choose_backend
+from splitserve.engine.ops.triton_kernel import kernel_or_torch
+
+BACKEND_ENV = "SPLITSERVE_MOE_BACKEND"
 
 
 @functools.cache
@@ -31,6 +32,11 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def moe_backend(device: torch.device) -> str:
+    """`triton` on a CUDA device with triton installed, else `torch`; the env var overrides."""
+    return choose_backend(BACKEND_ENV, "triton", triton_available(), "pip install triton", device)
 
 
 def align_by_expert(
@@ -67,7 +73,6 @@ def align_by_expert(
 # two) stays under this: each of its programs compares every pair with every expert, which stops
 # paying for large prefill steps (the torch ops' sort scales better there).
 ALIGN_KERNEL_MAX_WORK = 1 << 17
-_align_kernel_failed = False
 
 
 def align_by_expert_triton(
@@ -84,7 +89,9 @@ def align_by_expert_triton(
     sorted_pairs = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.long, device=dev)
     block_expert = torch.full((num_blocks,), -1, dtype=torch.long, device=dev)
     block_e = triton.next_power_of_2(num_experts)
-    _align_kernel()[(num_experts,)](
+    from splitserve.engine.ops.fused_moe_triton import ALIGN
+
+    ALIGN[(num_experts,)](
         flat,
         sorted_pairs,
         block_expert,
@@ -98,14 +105,13 @@ def align_by_expert_triton(
 
 def _align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton alignment for small calls, the torch one otherwise or once the kernel failed to build."""
-    global _align_kernel_failed
     work = expert_ids.numel() * (1 << (num_experts - 1).bit_length())
-    if work <= ALIGN_KERNEL_MAX_WORK and not _align_kernel_failed:
-        try:
-            return align_by_expert_triton(expert_ids, num_experts, block_m)
-        except Exception:  # a build error costs launches, not the step: the torch path is exact too
-            logger.exception("the MoE alignment kernel failed; aligning with torch ops from now on")
-            _align_kernel_failed = True
+    if work <= ALIGN_KERNEL_MAX_WORK:
+        return kernel_or_torch(
+            "moe_align",
+            lambda: align_by_expert_triton(expert_ids, num_experts, block_m),
+            lambda: align_by_expert(expert_ids, num_experts, block_m),
+        )
     return align_by_expert(expert_ids, num_experts, block_m)
 
 
@@ -146,11 +152,12 @@ def _launch(
     """`out[p] = f(a[p // rows_per_a] @ w[e(p)].T)`; gated (w holds gate; up) when no weights given."""
     import triton
 
-    kernel = _kernel()
+    from splitserve.engine.ops.fused_moe_triton import GROUPED_GEMM
+
     block_n, block_k = 64, 64
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
     gated = pair_weights is None
-    kernel[grid](
+    GROUPED_GEMM[grid](
         a,
         w,
         out,
@@ -173,111 +180,3 @@ def _launch(
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=4,
     )
-
-
-@functools.cache
-def _kernel() -> Callable[..., Any]:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def grouped_gemm(
-        a_ptr,
-        w_ptr,
-        out_ptr,
-        sorted_pairs_ptr,
-        block_expert_ptr,
-        pair_weights_ptr,
-        num_pairs,
-        n,
-        k,
-        stride_a,
-        stride_we,
-        stride_wn,
-        stride_wk,
-        stride_out,
-        ROWS_PER_A: tl.constexpr,
-        GATED: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
-    ):
-        expert = tl.load(block_expert_ptr + tl.program_id(0))
-        if expert >= 0:
-            offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-            pairs = tl.load(sorted_pairs_ptr + offs_m)
-            row_ok = pairs < num_pairs
-            a_rows = pairs // ROWS_PER_A
-            offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            col_ok = offs_n < n
-            offs_k = tl.arange(0, BLOCK_K)
-            w_base = w_ptr + expert.to(tl.int64) * stride_we
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, k, BLOCK_K):
-                k_ok = (k0 + offs_k) < k
-                a = tl.load(
-                    a_ptr + a_rows[:, None] * stride_a + (k0 + offs_k)[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0,
-                )
-                w_offs = offs_n[None, :] * stride_wn + (k0 + offs_k)[:, None] * stride_wk
-                w_mask = k_ok[:, None] & col_ok[None, :]
-                w_tile = tl.load(w_base + w_offs, mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
-                acc = tl.dot(a, w_tile, acc, input_precision=DOT_PRECISION)
-                if GATED:
-                    up_tile = tl.load(w_base + n * stride_wn + w_offs, mask=w_mask, other=0.0)
-                    acc_up = tl.dot(a, up_tile, acc_up, input_precision=DOT_PRECISION)
-            if GATED:
-                acc = acc * tl.sigmoid(acc) * acc_up
-            else:
-                acc = acc * tl.load(pair_weights_ptr + pairs, mask=row_ok, other=0.0)[:, None]
-            tl.store(
-                out_ptr + pairs[:, None] * stride_out + offs_n[None, :],
-                acc.to(out_ptr.dtype.element_ty),
-                mask=row_ok[:, None] & col_ok[None, :],
-            )
-
-    return grouped_gemm
-
-
-@functools.cache
-def _align_kernel() -> Callable[..., Any]:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def align(
-        expert_ids_ptr,
-        sorted_pairs_ptr,
-        block_expert_ptr,
-        num_pairs,
-        BLOCK_M: tl.constexpr,
-        BLOCK_P: tl.constexpr,
-        BLOCK_E: tl.constexpr,
-    ):
-        expert = tl.program_id(0)
-        offs_e = tl.arange(0, BLOCK_E)
-        counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-        for p0 in range(0, num_pairs, BLOCK_P):
-            offs = p0 + tl.arange(0, BLOCK_P)
-            ids = tl.load(expert_ids_ptr + offs, mask=offs < num_pairs, other=-1)
-            counts += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
-        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        start = tl.sum(tl.where(offs_e < expert, padded, 0))  # where this expert's padded run begins
-        num_blocks = tl.sum(tl.where(offs_e == expert, padded, 0)) // BLOCK_M
-        seen = 0
-        for p0 in range(0, num_pairs, BLOCK_P):  # this expert's pairs, in pair order (a stable sort)
-            offs = p0 + tl.arange(0, BLOCK_P)
-            ids = tl.load(expert_ids_ptr + offs, mask=offs < num_pairs, other=-1)
-            mine = (ids == expert).to(tl.int32)
-            rank = seen + tl.cumsum(mine, axis=0) - 1
-            tl.store(sorted_pairs_ptr + start + rank, offs.to(tl.int64), mask=mine > 0)
-            seen += tl.sum(mine, axis=0)
-        for b0 in range(0, num_blocks, BLOCK_M):
-            offs_b = b0 + tl.arange(0, BLOCK_M)
-            value = tl.zeros([BLOCK_M], dtype=tl.int64) + expert
-            tl.store(block_expert_ptr + start // BLOCK_M + offs_b, value, mask=offs_b < num_blocks)
-
-    return align

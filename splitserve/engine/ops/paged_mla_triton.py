@@ -8,22 +8,18 @@ for all its heads (one shared latent KV head), with an online softmax in fp32. S
 results are merged by log-sum-exp in torch. Under `TRITON_INTERPRET=1` the same kernel runs on
 CPU tensors, which is how the CPU tests check it against `paged_mla_torch`.
 
-The kernel is decorated on first use, per interpreter mode, because triton decides between
-compiling and interpreting when a function is decorated.
+The kernel is decorated on first use, per interpreter mode (ops/triton_kernel.py).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
 
 from splitserve.engine.forward_batch import TokenGroup
+from splitserve.engine.ops.triton_kernel import TritonKernel
 
-_KERNELS: dict[bool, Any] = {}
 # enough programs to cover an H200's 132 SMs twice before splitting a row's context further
 TARGET_PROGRAMS = 264
 MIN_SPLIT_TOKENS = 256
@@ -115,11 +111,7 @@ def _paged_mla_kernel(
     tl.store(lse_ptr + split * stride_ls + b * stride_lb + offs_m, lse, mask=m_ok)
 
 
-def _kernel() -> Any:
-    interpret = bool(knobs.runtime.interpret)
-    if interpret not in _KERNELS:
-        _KERNELS[interpret] = triton.jit(_paged_mla_kernel)
-    return _KERNELS[interpret]
+_KERNEL = TritonKernel("paged_mla", _paged_mla_kernel)
 
 
 def _num_splits(num_programs: int, context_len: int, block_n: int) -> int:
@@ -156,7 +148,7 @@ def paged_mla_triton(
     token_index = group.token_index.contiguous()
     query_pos = group.query_pos.contiguous()
     assert q_full.stride(2) == 1 and kv_pool.stride(1) == 1, "q_full and kv_pool need a contiguous last dim"
-    _kernel()[(rows, num_blocks, num_splits)](
+    _KERNEL[(rows, num_blocks, num_splits)](
         q_full,
         kv_pool,
         kv_index,
