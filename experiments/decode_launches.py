@@ -60,6 +60,7 @@ _NOT_LAUNCHES = {
     "detach",
     "detach_",
     "lift_fresh",
+    "_unsafe_view",
 }
 RUNNER = "runner"  # ops outside the decoder layers: batch build, embedding, final norm, logits
 SAMPLER = "sampler"
@@ -294,14 +295,12 @@ def count_host_reads(counter: LaunchCounter) -> Iterator[None]:
 
 
 def module_kind(model_path: str, config: KimiLinearModelConfig) -> str:
-    """A short name for the part of a layer a scope is in: `attention` (KDA / MLA), `gated_norm`,
-    `norm`, `router`, `experts`, `shared_experts`, `moe` (the glue), `mlp` (dense), `residual`."""
+    """A short name for the part of a layer a scope is in: `residual+norm`, `attention` (KDA / MLA),
+    `attention_norm`, `gated_norm`, `router`, `experts`, `shared_experts`, `moe` (the glue), `mlp` (dense)."""
     parts = model_path.split(".")[3:]  # below model.layers.N
-    if not parts:
-        return "residual"
+    if not parts or parts[0] in ("input_layernorm", "post_attention_layernorm"):
+        return "residual+norm"  # the layer's own ops are its residual adds, fused with the norms after them
     head = parts[0]
-    if head in ("input_layernorm", "post_attention_layernorm"):
-        return "norm"
     if head == "self_attn":
         if parts[1:2] == ["o_norm"]:
             return "gated_norm"
@@ -339,7 +338,7 @@ def breakdown(step: StepCount) -> dict[str, Counter[str]]:
     return {t: Counter({k: v / num_layers[t] for k, v in c.items()}) for t, c in sorted(kinds.items())}
 
 
-KIND_ORDER = ["norm", "attention", "attention_norm", "gated_norm", "residual", "router", "experts"]
+KIND_ORDER = ["residual+norm", "attention", "attention_norm", "gated_norm", "router", "experts"]
 KIND_ORDER += ["shared_experts", "moe", "mlp"]
 
 

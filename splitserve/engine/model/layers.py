@@ -6,9 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.engine.ops.norms import add_rms_norm, rms_norm
+
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 and cast back before the weight, as transformers does."""
+    """RMSNorm computed in fp32 and cast back before the weight, as transformers does (ops/norms.py;
+    one Triton launch on CUDA). `add_and_norm` also adds a sublayer's output to the residual stream."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -16,10 +19,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(norm(residual + x), residual + x)`; with no residual yet, `(norm(x), x)`."""
+        if residual is None:
+            return self(x), x
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):

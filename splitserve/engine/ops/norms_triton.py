@@ -1,0 +1,92 @@
+"""RMSNorm (optionally after the residual add) as one Triton launch: one program per row.
+
+Same arithmetic as ops/norms.py's references: the sum rounded to the stream's dtype and stored,
+fp32 statistics, the normalised row rounded to that dtype, then times the weight and rounded to the
+output dtype. No host sync, shapes from the inputs only: a CUDA graph can hold it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from splitserve.engine.ops.triton_kernel import TritonKernel
+
+
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    sum_ptr,
+    n_cols,
+    stride_x,
+    stride_res,
+    stride_out,
+    stride_sum,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
+        x = (r.to(tl.float32) + x.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * stride_sum + offs, x, mask=mask)
+    x32 = x.to(tl.float32)
+    mean_sq = tl.sum(x32 * x32, axis=0) / n_cols
+    normed = (x32 * tl.rsqrt(mean_sq + eps)).to(x.dtype)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    out = w.to(tl.float32) * normed.to(tl.float32)
+    tl.store(out_ptr + row * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_KERNEL = TritonKernel("rms_norm", _rms_norm_kernel)
+
+
+def rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`(rms_norm(s), s)` with `s = residual + x` (or `(rms_norm(x), None)` without a residual)."""
+    n = x.shape[-1]
+    rows = x.reshape(-1, n)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    norm_dtype = x.dtype if residual is None else torch.promote_types(residual.dtype, x.dtype)
+    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, norm_dtype), device=x.device)
+    summed = None if residual is None else torch.empty(rows.shape, dtype=norm_dtype, device=x.device)
+    res_rows = rows if residual is None else residual.reshape(-1, n)
+    if res_rows.stride(-1) != 1:
+        res_rows = res_rows.contiguous()
+    block = triton.next_power_of_2(n)
+    if rows.shape[0]:
+        _KERNEL[(rows.shape[0],)](
+            rows,
+            res_rows,
+            weight,
+            out,
+            out if summed is None else summed,
+            n,
+            rows.stride(0),
+            res_rows.stride(0),
+            out.stride(0),
+            out.stride(0) if summed is None else summed.stride(0),
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
+            num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16),
+        )
+    shape = (*x.shape[:-1], n)
+    return out.view(shape), None if summed is None else summed.view(shape)
+
+
+def warm_up(hidden_size: int, dtype: torch.dtype, device: torch.device, num_rows: int) -> None:
+    """Compile both variants (with and without the residual add) for `num_rows` rows of `hidden_size`."""
+    x = torch.zeros(num_rows, hidden_size, dtype=dtype, device=device)
+    weight = torch.ones(hidden_size, dtype=dtype, device=device)
+    rms_norm_triton(x, None, weight, 1e-6)
+    rms_norm_triton(x, x, weight, 1e-6)
