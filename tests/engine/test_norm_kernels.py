@@ -1,12 +1,13 @@
-"""The RMSNorm Triton kernel (with and without the residual add) against its torch reference: under
-TRITON_INTERPRET=1 on small odd shapes (fp32 to 1e-6, and bf16), on CUDA at Kimi-Linear-48B's shapes (`gpu`)."""
+"""The norm Triton kernels against their torch references: RMSNorm (with and without the residual
+add) and KDA's gated norm, under TRITON_INTERPRET=1 on small odd shapes (fp32 to a few ulps, and
+bf16), on CUDA at Kimi-Linear-48B's shapes (`gpu`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from splitserve.engine.ops.norms import add_rms_norm_torch, rms_norm_torch
+from splitserve.engine.ops.norms import add_rms_norm_torch, gated_rms_norm_torch, rms_norm_torch
 from tests.triton_interpreted import interpreted
 
 
@@ -57,6 +58,53 @@ def test_the_rms_norm_kernel_matches_its_reference_under_the_interpreter():
     found = interpreted("tests.engine.test_norm_kernels", "_largest_differences")
     assert all(d <= 1e-5 for i in fp32 for d in found[i]), found  # values up to ~10: a few fp32 ulps
     assert all(d <= 0.07 for d in found[3]), found  # bf16: at most one rounding step apart at |x| < 8
+
+
+def _gated_case(tokens: int, heads: int, dim: int, device: str = "cpu") -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(tokens * 100 + dim)
+    core = torch.randn(tokens, heads, dim, generator=gen)  # KDA's output: fp32
+    gate = torch.randn(tokens, heads, dim, generator=gen) * 2
+    weight = 1 + 0.1 * torch.randn(dim, generator=gen)
+    return core.to(device), gate.to(device), weight.to(device)
+
+
+def _gated_differences() -> list[float]:
+    """Per case: the largest |kernel - reference| of the gated norm (fp32, then fp32 inputs to bf16)."""
+    from splitserve.engine.ops.norms_triton import gated_rms_norm_triton
+
+    found = []
+    for tokens, heads, dim, dtype in [
+        (1, 4, 16, torch.float32),
+        (7, 3, 24, torch.float32),
+        (5, 2, 128, torch.bfloat16),
+    ]:
+        core, gate, weight = _gated_case(tokens, heads, dim)
+        gate, weight = gate.to(dtype), weight.to(dtype)
+        got = gated_rms_norm_triton(core, gate, weight, 1e-5, dtype)
+        want = gated_rms_norm_torch(core, gate, weight, 1e-5, dtype)
+        assert got.dtype == want.dtype == dtype and got.shape == want.shape
+        found.append(float((got.float() - want.float()).abs().max()))
+    return found
+
+
+def test_the_gated_norm_kernel_matches_its_reference_under_the_interpreter():
+    pytest.importorskip("triton")
+    found = interpreted("tests.engine.test_norm_kernels", "_gated_differences")
+    assert found[0] <= 1e-5 and found[1] <= 1e-5, found
+    assert found[2] <= 0.07, found  # bf16 output: one rounding step at |y| < 8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("tokens", [1, 64, 2048])
+def test_the_gated_norm_kernel_on_cuda_at_real_shapes(tokens):
+    from splitserve.engine.ops.norms_triton import gated_rms_norm_triton
+
+    core, gate, weight = _gated_case(tokens, 32, 128, "cuda")
+    gate, weight = gate.bfloat16(), weight.bfloat16()
+    got = gated_rms_norm_triton(core, gate, weight, 1e-5, torch.bfloat16)
+    want = gated_rms_norm_torch(core, gate, weight, 1e-5, torch.bfloat16)
+    torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
 
 
 @pytest.mark.gpu

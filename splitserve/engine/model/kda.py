@@ -103,7 +103,7 @@ class KimiDeltaAttention(nn.Module):
                 replay.fold(batch.multi.slot_ids)
             self._delta_chunk(q, k, v, g, beta, batch.multi, recurrent_state, core)
         gate = self.g_b_proj(g_a).view(-1, nh, hd)
-        out = self.o_norm(core.to(x.dtype), gate).reshape(-1, dim)
+        out = self.o_norm(core, gate, x.dtype).reshape(-1, dim)
         return self.o_proj(out)
 
     def _conv_step(self, x: torch.Tensor, group: TokenGroup, conv_state: torch.Tensor) -> torch.Tensor:

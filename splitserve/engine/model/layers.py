@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.engine.ops.norms import add_rms_norm, rms_norm
+from splitserve.engine.ops.norms import add_rms_norm, gated_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -31,19 +31,17 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """KDA's output norm: fp32 RMSNorm per head, times the weight, times sigmoid(gate)."""
+    """KDA's output norm: fp32 RMSNorm per head, times the weight, times sigmoid(gate) (ops/norms.py;
+    one Triton launch on CUDA)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        x32 = self.weight.float() * x32 * torch.sigmoid(gate.float())
-        return x32.to(dtype)
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The norm in `dtype` (default x's), of `x` rounded to `dtype` first."""
+        return gated_rms_norm(x, gate, self.weight, self.eps, dtype or x.dtype)
 
 
 class GatedMLP(nn.Module):

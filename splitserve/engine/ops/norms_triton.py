@@ -1,8 +1,9 @@
-"""RMSNorm (optionally after the residual add) as one Triton launch: one program per row.
+"""RMSNorm (optionally after the residual add), and KDA's gated output norm, each one Triton launch.
 
-Same arithmetic as ops/norms.py's references: the sum rounded to the stream's dtype and stored,
-fp32 statistics, the normalised row rounded to that dtype, then times the weight and rounded to the
-output dtype. No host sync, shapes from the inputs only: a CUDA graph can hold it.
+Same arithmetic as ops/norms.py's references. RMSNorm: one program per row; the sum rounded to the
+stream's dtype and stored, fp32 statistics, the normalised row rounded to that dtype, then times the
+weight and rounded to the output dtype. Gated norm: one program per `BLOCK_R` rows (heads) of one
+head's width. No host sync, shapes from the inputs only: a CUDA graph can hold either.
 """
 
 from __future__ import annotations
@@ -45,7 +46,37 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _gated_rms_norm_kernel(
+    x_ptr,
+    gate_ptr,
+    w_ptr,
+    out_ptr,
+    num_rows,
+    n_cols,
+    stride_x,
+    stride_gate,
+    stride_out,
+    eps,
+    BLOCK_R: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK)
+    mask = (rows < num_rows)[:, None] & (cols < n_cols)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    x32 = x.to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded to the model dtype first
+    mean_sq = tl.sum(x32 * x32, axis=1) / n_cols
+    x32 = x32 * tl.rsqrt(mean_sq + eps)[:, None]
+    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + rows[:, None] * stride_gate + cols[None, :], mask=mask, other=0.0)
+    out = w[None, :] * x32 * tl.sigmoid(gate.to(tl.float32))
+    tl.store(
+        out_ptr + rows[:, None] * stride_out + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask
+    )
+
+
 _KERNEL = TritonKernel("rms_norm", _rms_norm_kernel)
+_GATED_KERNEL = TritonKernel("gated_rms_norm", _gated_rms_norm_kernel)
 
 
 def rms_norm_triton(
@@ -84,9 +115,44 @@ def rms_norm_triton(
     return out.view(shape), None if summed is None else summed.view(shape)
 
 
-def warm_up(hidden_size: int, dtype: torch.dtype, device: torch.device, num_rows: int) -> None:
-    """Compile both variants (with and without the residual add) for `num_rows` rows of `hidden_size`."""
+def gated_rms_norm_triton(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """`gated_rms_norm_torch`'s result: x, gate [..., D] -> [..., D] in `dtype`, contiguous."""
+    n = x.shape[-1]
+    rows, gates = x.reshape(-1, n), gate.reshape(-1, n)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if gates.stride(-1) != 1:
+        gates = gates.contiguous()
+    out = torch.empty(rows.shape, dtype=dtype, device=x.device)
+    block = triton.next_power_of_2(n)
+    block_r = max(1, min(16, 4096 // block))
+    if rows.shape[0]:
+        _GATED_KERNEL[(triton.cdiv(rows.shape[0], block_r),)](
+            rows,
+            gates,
+            weight,
+            out,
+            rows.shape[0],
+            n,
+            rows.stride(0),
+            gates.stride(0),
+            out.stride(0),
+            eps,
+            BLOCK_R=block_r,
+            BLOCK=block,
+            num_warps=4,
+        )
+    return out.view(x.shape)
+
+
+def warm_up(hidden_size: int, head_dim: int, dtype: torch.dtype, device: torch.device, num_rows: int) -> None:
+    """Compile each norm for `num_rows` tokens: RMSNorm with and without the residual add over
+    `hidden_size`, and the gated norm of fp32 inputs (KDA's outputs) over `head_dim`."""
     x = torch.zeros(num_rows, hidden_size, dtype=dtype, device=device)
     weight = torch.ones(hidden_size, dtype=dtype, device=device)
     rms_norm_triton(x, None, weight, 1e-6)
     rms_norm_triton(x, x, weight, 1e-6)
+    heads = torch.zeros(num_rows, hidden_size // head_dim, head_dim, device=device)
+    gated_rms_norm_triton(heads, heads.to(dtype), weight[:head_dim], 1e-6, dtype)
