@@ -105,6 +105,8 @@ def _shared_mask(group: TokenGroup, positions: torch.Tensor, dtype: torch.dtype)
     mask = group.derived.get(key)
     if mask is None:
         hidden = positions.view(1, 1, -1) > group.query_pos.unsqueeze(-1)  # [B, L, K]
-        mask = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(hidden, float("-inf"))
+        mask = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(
+            hidden, float("-inf")
+        )
         mask = group.derived[key] = mask.unsqueeze(1)
     return mask
