@@ -1,52 +1,47 @@
 """Mixture of experts: grouped sigmoid top-k routing with the score-correction bias, shared experts.
 
-Routing follows transformers (and DeepSeek-V3): sigmoid scores in fp32; the bias only steers
-the choice (groups ranked by the sum of their top-2 biased scores, `topk_group` groups kept,
-then top-k experts among them); weights are the unbiased scores of the chosen experts,
+Routing follows transformers (and DeepSeek-V3), see ops/router.py: sigmoid scores in fp32; the bias
+only steers the choice (groups ranked by the sum of their top-2 biased scores, `topk_group` groups
+kept, then top-k experts among them); weights are the unbiased scores of the chosen experts,
 renormalised when `norm_topk_prob`, times `routed_scaling_factor`.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine.model.layers import GatedMLP
 from splitserve.engine.model_config import KimiLinearModelConfig
 from splitserve.engine.ops.fused_moe import fused_moe, moe_backend
 from splitserve.engine.ops.moe_reference import moe_experts_torch
+from splitserve.engine.ops.router import RouterSpec, route
 
 
 class TopKRouter(nn.Module):
-    """Owns the fp32 router weight and bias; returns (weights [T, k], expert ids [T, k])."""
+    """Owns the fp32 router weight and bias; returns (weights [T, k], expert ids [T, k]) (ops/router.py;
+    one Triton launch on CUDA)."""
 
     def __init__(self, config: KimiLinearModelConfig) -> None:
         super().__init__()
-        self.num_experts = config.num_local_experts
-        self.top_k = config.num_experts_per_tok
-        self.num_groups = config.n_group
-        self.topk_group = config.topk_group
-        self.renormalize = config.norm_topk_prob
-        self.scaling = config.routed_scaling_factor
-        self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size, dtype=torch.float32))
+        self.spec = RouterSpec(
+            num_experts=config.num_local_experts,
+            top_k=config.num_experts_per_tok,
+            num_groups=config.n_group,
+            topk_group=config.topk_group,
+            renormalize=config.norm_topk_prob,
+            scaling=config.routed_scaling_factor,
+        )
+        self.weight = nn.Parameter(
+            torch.zeros(config.num_local_experts, config.hidden_size, dtype=torch.float32)
+        )
         self.e_score_correction_bias: torch.Tensor
-        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+        self.register_buffer(
+            "e_score_correction_bias", torch.zeros(config.num_local_experts, dtype=torch.float32)
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
-        biased = scores + self.e_score_correction_bias
-        if self.num_groups > 1:
-            grouped = biased.view(-1, self.num_groups, self.num_experts // self.num_groups)
-            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
-            keep = torch.zeros_like(group_scores, dtype=torch.bool)
-            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1, sorted=False)[1], True)
-            biased = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(-1, self.num_experts)
-        expert_ids = biased.topk(self.top_k, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, expert_ids)
-        if self.renormalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.scaling, expert_ids
+        return route(x, self.weight, self.e_score_correction_bias, self.spec)
 
 
 class Experts(nn.Module):
