@@ -78,16 +78,17 @@ ALIGN_KERNEL_MAX_WORK = 1 << 17
 def align_by_expert_triton(
     expert_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`align_by_expert`'s exact result from two fills and one launch (one program per expert: it
-    counts every expert's pairs, so it knows where its padded run starts, then writes its pairs in
-    order and its blocks' expert id); no host sync, so a CUDA graph can hold it."""
+    """`align_by_expert`'s exact result from one launch (one program per expert: it counts every
+    expert's pairs, so it knows where its padded run starts, then writes its pairs in order, its
+    padding and its blocks' expert id; the last one also marks the blocks past every run empty); no
+    host sync, so a CUDA graph can hold it."""
     import triton
 
     flat = expert_ids.reshape(-1).contiguous()
     num_pairs, dev = flat.numel(), flat.device
     num_blocks = -(-(num_pairs + num_experts * (block_m - 1)) // block_m)
-    sorted_pairs = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.long, device=dev)
-    block_expert = torch.full((num_blocks,), -1, dtype=torch.long, device=dev)
+    sorted_pairs = torch.empty(num_blocks * block_m, dtype=torch.long, device=dev)
+    block_expert = torch.empty(num_blocks, dtype=torch.long, device=dev)
     block_e = triton.next_power_of_2(num_experts)
     from splitserve.engine.ops.fused_moe_triton import ALIGN
 
@@ -96,6 +97,7 @@ def align_by_expert_triton(
         sorted_pairs,
         block_expert,
         num_pairs,
+        num_blocks,
         BLOCK_M=block_m,
         BLOCK_P=max(16, 8192 // block_e),
         BLOCK_E=block_e,

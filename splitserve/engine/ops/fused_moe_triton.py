@@ -72,6 +72,7 @@ def align(
     sorted_pairs_ptr,
     block_expert_ptr,
     num_pairs,
+    num_blocks_total,
     BLOCK_M: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -98,6 +99,19 @@ def align(
         offs_b = b0 + tl.arange(0, BLOCK_M)
         value = tl.zeros([BLOCK_M], dtype=tl.int64) + expert
         tl.store(block_expert_ptr + start // BLOCK_M + offs_b, value, mask=offs_b < num_blocks)
+    # the run's padding (fewer than BLOCK_M rows) names no pair
+    offs_pad = seen + tl.arange(0, BLOCK_M)
+    no_pair = tl.full([BLOCK_M], num_pairs, dtype=tl.int64)
+    tl.store(sorted_pairs_ptr + start + offs_pad, no_pair, mask=offs_pad < num_blocks * BLOCK_M)
+    if expert == tl.num_programs(0) - 1:  # the last run's program: the blocks past every run are empty
+        used = tl.sum(padded)
+        for r0 in range(used, num_blocks_total * BLOCK_M, BLOCK_M):
+            offs_r = r0 + tl.arange(0, BLOCK_M)
+            tl.store(sorted_pairs_ptr + offs_r, no_pair, mask=offs_r < num_blocks_total * BLOCK_M)
+        for b0 in range(used // BLOCK_M, num_blocks_total, BLOCK_M):
+            offs_b = b0 + tl.arange(0, BLOCK_M)
+            no_expert = tl.full([BLOCK_M], -1, dtype=tl.int64)
+            tl.store(block_expert_ptr + offs_b, no_expert, mask=offs_b < num_blocks_total)
 
 
 GROUPED_GEMM = TritonKernel("moe_grouped_gemm", grouped_gemm)
