@@ -88,6 +88,7 @@ class LaunchCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter[tuple[str, str]] = Counter()  # (scope, op) -> launches
+        self.launched: list[Launch] = []  # the stubbed Triton launches, in order
         self.scopes: list[str] = []
         self.enabled = False
 
@@ -137,13 +138,26 @@ def _is_composite(func: Any) -> bool:
 
 
 class CountedLaunch:
-    """Stands in for a Triton kernel: `kernel[grid](...)` counts one launch of `name`."""
+    """Stands in for a Triton kernel: `kernel[grid](...)` counts one launch and keeps its arguments."""
 
-    def __init__(self, counter: LaunchCounter, name: str) -> None:
-        self.counter, self.name = counter, name
+    def __init__(self, counter: LaunchCounter, kernel: triton_kernel.TritonKernel) -> None:
+        self.counter, self.kernel = counter, kernel
 
     def __getitem__(self, grid: Any) -> Any:
-        return lambda *args, **kwargs: self.counter.launch(f"triton:{self.name}")
+        def launch(*args: Any, **kwargs: Any) -> None:
+            self.counter.launch(f"triton:{self.kernel.name}")
+            self.counter.launched.append(Launch(self.kernel, args, kwargs))
+
+        return launch
+
+
+@dataclasses.dataclass
+class Launch:
+    """One stubbed Triton launch: the kernel and what it was given (fake tensors, scalars, meta-parameters)."""
+
+    kernel: triton_kernel.TritonKernel
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
 
 
 def _fla_stub(counter: LaunchCounter) -> dict[str, types.ModuleType]:
@@ -177,7 +191,7 @@ def cuda_code_path(counter: LaunchCounter) -> Iterator[None]:
         stack.enter_context(mock.patch.dict(sys.modules, _fla_stub(counter)))
         backend.importable.cache_clear()  # fla is importable now, and not after
         stack.callback(backend.importable.cache_clear)
-        stack.enter_context(triton_kernel.stand_in(lambda name: CountedLaunch(counter, name)))
+        stack.enter_context(triton_kernel.stand_in(lambda kernel: CountedLaunch(counter, kernel)))
         yield
 
 
@@ -188,6 +202,7 @@ class StepCount:
     config: KimiLinearModelConfig
     batch_size: int
     counts: Counter[tuple[str, str]]
+    launched: list[Launch]
 
     @property
     def total(self) -> int:
@@ -264,7 +279,7 @@ def count_decode_step(config: KimiLinearModelConfig, batch_size: int, context: i
     with torch.inference_mode(), counter, counter.scope(SAMPLER), count_host_reads(counter):
         sampler(real_logits, rows)
     counter.enabled = False
-    return StepCount(config, batch_size, counter.counts)
+    return StepCount(config, batch_size, counter.counts, counter.launched)
 
 
 def runner_copy(counter: LaunchCounter) -> Any:
@@ -296,7 +311,8 @@ def count_host_reads(counter: LaunchCounter) -> Iterator[None]:
 
 def module_kind(model_path: str, config: KimiLinearModelConfig) -> str:
     """A short name for the part of a layer a scope is in: `residual+norm`, `attention` (KDA / MLA),
-    `attention_norm`, `gated_norm`, `router`, `experts`, `shared_experts`, `moe` (the glue), `mlp` (dense)."""
+    `attention_norm`, `gated_norm`, `router`, `experts`, `shared_experts`, `moe` (what the MoE block runs
+    itself: the fused experts, shared ones included, or the sum of the two), `mlp` (dense)."""
     parts = model_path.split(".")[3:]  # below model.layers.N
     if not parts or parts[0] in ("input_layernorm", "post_attention_layernorm"):
         return "residual+norm"  # the layer's own ops are its residual adds, fused with the norms after them

@@ -23,4 +23,4 @@ def stub_triton_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every Triton backend chosen, as on a CUDA device, with every launch stubbed."""
     for env in (paged_mla.BACKEND_ENV, fused_moe.BACKEND_ENV, triton_kernel.FUSED_BACKEND_ENV):
         monkeypatch.setenv(env, "triton")
-    monkeypatch.setattr(triton_kernel, "_stand_in", lambda name: NoLaunch())
+    monkeypatch.setattr(triton_kernel, "_stand_in", lambda kernel: NoLaunch())

@@ -48,6 +48,24 @@ def compared() -> list[list[float]]:
     return found
 
 
+def shared_appended() -> list[list[float]]:
+    """The kernel's and the reference's choices with two shared experts appended, for the 1B case."""
+    from splitserve.engine.ops.router import route
+    from splitserve.engine.ops.router_triton import route_triton
+
+    tokens, hidden, spec = CASES[1]
+    case = make_case(tokens, hidden, spec)
+    got_w, got_ids = route_triton(*case, spec, num_shared=2)
+    want_w, want_ids = route(*case, spec, num_shared=2)  # the torch backend: the reference
+    return [got_ids[:, 2:].tolist()[0], got_w[:, 2:].tolist()[0], want_ids[:, 2:].tolist()[0]]
+
+
+def test_the_router_kernel_appends_the_shared_experts_under_the_interpreter():
+    pytest.importorskip("triton")
+    ids, weights, reference_ids = interpreted("tests.engine.test_router", "shared_appended")
+    assert ids == reference_ids == [16, 17] and weights == [1.0, 1.0]
+
+
 def test_the_router_kernel_matches_the_reference_under_the_interpreter():
     pytest.importorskip("triton")
     found = interpreted("tests.engine.test_router", "compared")

@@ -60,8 +60,8 @@ def test_a_stand_in_takes_every_launch_while_active():
     launched: list[tuple[str, object, tuple[object, ...]]] = []
 
     class Recorder:
-        def __init__(self, name: str) -> None:
-            self.name = name
+        def __init__(self, kernel: triton_kernel.TritonKernel) -> None:
+            self.name = kernel.name
 
         def __getitem__(self, grid: object) -> object:
             return lambda *args, **kwargs: launched.append((self.name, grid, args))

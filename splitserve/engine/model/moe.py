@@ -13,7 +13,7 @@ from torch import nn
 
 from splitserve.engine.model.layers import GatedMLP
 from splitserve.engine.model_config import KimiLinearModelConfig
-from splitserve.engine.ops.fused_moe import fused_moe, moe_backend
+from splitserve.engine.ops.fused_moe import SharedExperts, fused_moe, moe_backend
 from splitserve.engine.ops.moe_reference import moe_experts_torch
 from splitserve.engine.ops.router import RouterSpec, route
 
@@ -40,8 +40,9 @@ class TopKRouter(nn.Module):
             "e_score_correction_bias", torch.zeros(config.num_local_experts, dtype=torch.float32)
         )
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return route(x, self.weight, self.e_score_correction_bias, self.spec)
+    def forward(self, x: torch.Tensor, num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routed choices, then `num_shared` shared experts (ids E.., weight 1) for the fused MoE."""
+        return route(x, self.weight, self.e_score_correction_bias, self.spec, num_shared)
 
 
 class Experts(nn.Module):
@@ -64,16 +65,27 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Routed experts plus always-on shared experts, summed."""
+    """Routed experts plus always-on shared experts, summed.
+
+    With the fused MoE kernels the shared MLP runs inside them, as `n_shared_experts` more experts
+    every token takes with weight 1 (its intermediate slices; the router appends them): the layer's
+    MoE is four launches (router, alignment, two grouped GEMMs) and the sum of each token's rows.
+    """
 
     def __init__(self, config: KimiLinearModelConfig) -> None:
         super().__init__()
         self.gate = TopKRouter(config)
         self.experts = Experts(config)
+        self.num_shared = config.n_shared_experts
         self.shared_experts = GatedMLP(
             config.hidden_size, config.moe_intermediate_size * config.n_shared_experts
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.shared_experts.gate_up  # fused at load
+        if moe_backend(x.device) == "triton" and self.num_shared and gate_up is not None:
+            weights, expert_ids = self.gate(x, self.num_shared)
+            shared = SharedExperts(gate_up, self.shared_experts.down_proj.weight, self.num_shared)
+            return fused_moe(x, self.experts.w13, self.experts.w2, weights, expert_ids, shared)
         weights, expert_ids = self.gate(x)
         return self.experts(x, weights, expert_ids) + self.shared_experts(x)

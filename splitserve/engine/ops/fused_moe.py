@@ -15,6 +15,7 @@ tensors (tests).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -117,66 +118,113 @@ def _align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
     return align_by_expert(expert_ids, num_experts, block_m)
 
 
+@dataclass(frozen=True)
+class SharedExperts:
+    """A layer's always-on shared MLP, run by the routed experts' kernels as `num` extra experts of the
+    routed intermediate size: `gate_up` [2 * num * I, H] (gate rows, then up rows) and `down` [H, num * I].
+    Shared expert `j` is intermediate slice `j` (a SwiGLU MLP is the sum of its slices' MLPs)."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    num: int
+
+
 def fused_moe(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    expert_ids: torch.Tensor,
+    shared: SharedExperts | None = None,
 ) -> torch.Tensor:
-    """Same contract as `moe_experts_torch`: x [T, H], w13 [E, 2I, H], w2 [E, H, I] -> [T, H]."""
+    """Same contract as `moe_experts_torch`: x [T, H], w13 [E, 2I, H], w2 [E, H, I] -> [T, H]. With
+    `shared`, ids E.. E + shared.num - 1 name the shared experts (the router appends them, weight 1):
+    the shared MLP and the routed experts then cost the same launches as the routed ones alone."""
     num_tokens, top_k = expert_ids.shape
-    num_experts, two_i, hidden = w13.shape
+    num_routed, two_i, hidden = w13.shape
     inter = two_i // 2
+    num_experts = num_routed + (shared.num if shared is not None else 0)
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(x)
     block_m = 16 if num_pairs <= 16 * num_experts else 64
     sorted_pairs, block_expert = _align(expert_ids, num_experts, block_m)
     x = x.contiguous()
+    plan = _Plan(sorted_pairs, block_expert, num_pairs, num_routed, block_m)
+    shared_w13 = shared_w2 = None
+    if shared is not None:  # slice j: gate rows j*I.. (its up rows num*I further), down columns j*I..
+        row = shared.gate_up.stride(0)
+        shared_w13 = _SharedSlices(shared.gate_up, inter * row, shared.num * inter * row)
+        shared_w2 = _SharedSlices(shared.down, inter, 0)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    _launch(x, w13, h, sorted_pairs, block_expert, num_pairs, inter, hidden, top_k, block_m, None)
+    _launch(x, w13, h, plan, inter, hidden, top_k, None, shared_w13)
     per_choice = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # rounded as the reference
     flat_weights = weights.reshape(-1).float().contiguous()
-    _launch(h, w2, per_choice, sorted_pairs, block_expert, num_pairs, hidden, inter, 1, block_m, flat_weights)
+    _launch(h, w2, per_choice, plan, hidden, inter, 1, flat_weights, shared_w2)
     return per_choice.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A call's pairs aligned by expert, and how many of its experts are routed."""
+
+    sorted_pairs: torch.Tensor
+    block_expert: torch.Tensor
+    num_pairs: int
+    num_routed: int
+    block_m: int
+
+
+@dataclass(frozen=True)
+class _SharedSlices:
+    """Where shared expert `j`'s weights start (`weight` + j * step) and its up rows (+ up, gated only)."""
+
+    weight: torch.Tensor
+    step: int
+    up: int
 
 
 def _launch(
     a: torch.Tensor,
     w: torch.Tensor,
     out: torch.Tensor,
-    sorted_pairs: torch.Tensor,
-    block_expert: torch.Tensor,
-    num_pairs: int,
+    plan: _Plan,
     n: int,
     k: int,
     rows_per_a: int,
-    block_m: int,
     pair_weights: torch.Tensor | None,
+    shared: _SharedSlices | None,
 ) -> None:
     """`out[p] = f(a[p // rows_per_a] @ w[e(p)].T)`; gated (w holds gate; up) when no weights given."""
     import triton
 
     from splitserve.engine.ops.fused_moe_triton import GROUPED_GEMM
 
+    assert w.stride(2) == 1 and (shared is None or shared.weight.stride(1) == 1)
     block_n, block_k = 64, 64
-    grid = (block_expert.numel(), triton.cdiv(n, block_n))
-    gated = pair_weights is None
+    grid = (plan.block_expert.numel(), triton.cdiv(n, block_n))
     GROUPED_GEMM[grid](
         a,
         w,
+        w if shared is None else shared.weight,
         out,
-        sorted_pairs,
-        block_expert,
+        plan.sorted_pairs,
+        plan.block_expert,
         out if pair_weights is None else pair_weights,
-        num_pairs,
+        plan.num_pairs,
+        plan.num_routed,
         n,
         k,
         a.stride(0),
         w.stride(0),
         w.stride(1),
-        w.stride(2),
+        0 if shared is None else shared.step,
+        w.stride(1) if shared is None else shared.weight.stride(0),
+        0 if shared is None else shared.up,
         out.stride(0),
         ROWS_PER_A=rows_per_a,
-        GATED=gated,
-        BLOCK_M=block_m,
+        GATED=pair_weights is None,
+        BLOCK_M=plan.block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",

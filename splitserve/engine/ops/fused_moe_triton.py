@@ -11,17 +11,21 @@ from splitserve.engine.ops.triton_kernel import TritonKernel
 def grouped_gemm(
     a_ptr,
     w_ptr,
+    shared_ptr,
     out_ptr,
     sorted_pairs_ptr,
     block_expert_ptr,
     pair_weights_ptr,
     num_pairs,
+    num_routed,
     n,
     k,
     stride_a,
     stride_we,
     stride_wn,
-    stride_wk,
+    shared_step,
+    stride_sn,
+    shared_up,
     stride_out,
     ROWS_PER_A: tl.constexpr,
     GATED: tl.constexpr,
@@ -39,7 +43,13 @@ def grouped_gemm(
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = offs_n < n
         offs_k = tl.arange(0, BLOCK_K)
-        w_base = w_ptr + expert.to(tl.int64) * stride_we
+        routed = expert < num_routed
+        if routed:
+            w_base = w_ptr + expert.to(tl.int64) * stride_we
+        else:  # a shared expert's slice of the shared MLP's weights
+            w_base = shared_ptr + (expert - num_routed).to(tl.int64) * shared_step
+        row_stride = tl.where(routed, stride_wn, stride_sn)
+        up_offset = tl.where(routed, n * stride_wn, shared_up)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, k, BLOCK_K):
@@ -49,12 +59,12 @@ def grouped_gemm(
                 mask=row_ok[:, None] & k_ok[None, :],
                 other=0.0,
             )
-            w_offs = offs_n[None, :] * stride_wn + (k0 + offs_k)[:, None] * stride_wk
+            w_offs = offs_n[None, :] * row_stride + (k0 + offs_k)[:, None]
             w_mask = k_ok[:, None] & col_ok[None, :]
             w_tile = tl.load(w_base + w_offs, mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
             acc = tl.dot(a, w_tile, acc, input_precision=DOT_PRECISION)
             if GATED:
-                up_tile = tl.load(w_base + n * stride_wn + w_offs, mask=w_mask, other=0.0)
+                up_tile = tl.load(w_base + up_offset + w_offs, mask=w_mask, other=0.0)
                 acc_up = tl.dot(a, up_tile, acc_up, input_precision=DOT_PRECISION)
         if GATED:
             acc = acc * tl.sigmoid(acc) * acc_up

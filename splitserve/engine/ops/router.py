@@ -49,14 +49,31 @@ def route_torch(
     return weights * spec.scaling, expert_ids
 
 
-def route(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, spec: RouterSpec
+def with_shared(
+    weights: torch.Tensor, ids: torch.Tensor, num_experts: int, num_shared: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`route_torch`'s choice and weights from the chosen backend."""
+    """The choices with `num_shared` more per token: ids `num_experts`.. (the shared experts, as the
+    fused MoE kernels name them), weight 1."""
+    if not num_shared:
+        return weights, ids
+    shared_ids = torch.arange(num_experts, num_experts + num_shared, device=ids.device).expand(
+        ids.shape[0], -1
+    )
+    return torch.cat([weights, torch.ones_like(shared_ids, dtype=weights.dtype)], 1), torch.cat(
+        [ids, shared_ids], 1
+    )
+
+
+def route(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, spec: RouterSpec, num_shared: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route_torch`'s choice and weights from the chosen backend, `with_shared` `num_shared` more."""
+
+    def reference() -> tuple[torch.Tensor, torch.Tensor]:
+        return with_shared(*route_torch(x, weight, bias, spec), spec.num_experts, num_shared)
+
     if fused_backend(x.device) == "torch":
-        return route_torch(x, weight, bias, spec)
+        return reference()
     from splitserve.engine.ops.router_triton import route_triton
 
-    return kernel_or_torch(
-        "moe_router", lambda: route_triton(x, weight, bias, spec), lambda: route_torch(x, weight, bias, spec)
-    )
+    return kernel_or_torch("moe_router", lambda: route_triton(x, weight, bias, spec, num_shared), reference)

@@ -30,6 +30,7 @@ def _router_kernel(
     scaling,
     NUM_EXPERTS: tl.constexpr,
     TOP_K: tl.constexpr,
+    NUM_SHARED: tl.constexpr,
     NUM_GROUPS: tl.constexpr,
     TOPK_GROUP: tl.constexpr,
     RENORMALIZE: tl.constexpr,
@@ -88,10 +89,15 @@ def _router_kernel(
         biased = tl.where(hit, float("-inf"), biased)
     if RENORMALIZE:
         chosen_weights = chosen_weights / (tl.sum(chosen_weights, axis=1)[:, None] + 1e-20)
-    out = tokens[:, None] * TOP_K + choices
-    ok = t_ok[:, None] & (choices < TOP_K)
+    chosen_weights = chosen_weights * scaling
+    if NUM_SHARED > 0:  # then the shared experts, weight 1
+        shared = choices >= TOP_K
+        chosen_ids = tl.where(shared, (NUM_EXPERTS - TOP_K + choices).to(tl.int64), chosen_ids)
+        chosen_weights = tl.where(shared, 1.0, chosen_weights)
+    out = tokens[:, None] * (TOP_K + NUM_SHARED) + choices
+    ok = t_ok[:, None] & (choices < TOP_K + NUM_SHARED)
     tl.store(ids_ptr + out, chosen_ids, mask=ok)
-    tl.store(weights_ptr + out, chosen_weights * scaling, mask=ok)
+    tl.store(weights_ptr + out, chosen_weights, mask=ok)
 
 
 _KERNEL = TritonKernel("moe_router", _router_kernel)
@@ -99,13 +105,15 @@ BLOCK_T = 16
 
 
 def route_triton(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, spec: RouterSpec
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, spec: RouterSpec, num_shared: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `route_torch` (ops/router.py); the choices come in descending biased score."""
+    """Same contract as `route_torch` then `with_shared` (ops/router.py); the routed choices come in
+    descending biased score."""
     num_tokens, hidden = x.shape
     assert x.stride(1) == weight.stride(1) == 1 and bias.is_contiguous()
-    weights = torch.empty(num_tokens, spec.top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(num_tokens, spec.top_k, dtype=torch.int64, device=x.device)
+    width = spec.top_k + num_shared
+    weights = torch.empty(num_tokens, width, dtype=torch.float32, device=x.device)
+    ids = torch.empty(num_tokens, width, dtype=torch.int64, device=x.device)
     if num_tokens:
         _KERNEL[(triton.cdiv(num_tokens, BLOCK_T),)](
             x,
@@ -120,6 +128,7 @@ def route_triton(
             spec.scaling,
             NUM_EXPERTS=spec.num_experts,
             TOP_K=spec.top_k,
+            NUM_SHARED=num_shared,
             NUM_GROUPS=spec.num_groups,
             TOPK_GROUP=spec.topk_group,
             RENORMALIZE=spec.renormalize,
@@ -127,16 +136,21 @@ def route_triton(
             BLOCK_E=max(16, triton.next_power_of_2(spec.num_experts)),
             BLOCK_H=32,
             BLOCK_G=max(2, triton.next_power_of_2(spec.num_groups)),
-            BLOCK_K=max(2, triton.next_power_of_2(spec.top_k)),
+            BLOCK_K=max(2, triton.next_power_of_2(width)),
             num_warps=4,
         )
     return weights, ids
 
 
 def warm_up(
-    spec: RouterSpec, hidden_size: int, dtype: torch.dtype, device: torch.device, num_tokens: int
+    spec: RouterSpec,
+    num_shared: int,
+    hidden_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_tokens: int,
 ) -> None:
-    """Compile the router of `spec` for `num_tokens` tokens of `hidden_size` in `dtype`."""
+    """Compile the router of `spec` (appending `num_shared` experts) for `num_tokens` tokens of `hidden_size`."""
     x = torch.zeros(num_tokens, hidden_size, dtype=dtype, device=device)
     weight = torch.zeros(spec.num_experts, hidden_size, device=device)
-    route_triton(x, weight, torch.zeros(spec.num_experts, device=device), spec)
+    route_triton(x, weight, torch.zeros(spec.num_experts, device=device), spec, num_shared)

@@ -5,7 +5,7 @@
   decorated, and `TRITON_INTERPRET=1` runs the same kernel on CPU tensors, which is how the CPU tests
   check each kernel against its torch reference).
 * `stand_in(factory)`: while it is active every `TritonKernel` launch goes to
-  `factory(name)[grid](...)` instead: the CPU tests stub the launches (the torch code around them
+  `factory(kernel)[grid](...)` instead: the CPU tests stub the launches (the torch code around them
   still runs, under FakeTensorMode) and experiments/decode_launches.py counts them.
 * `fused_backend(device)`: where the layers' fused glue kernels run (norms, KDA decode gates, the
   router): `"triton"` on a CUDA device with triton importable, `"torch"` (the reference every CPU
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 FUSED_BACKEND_ENV = "SPLITSERVE_FUSED_BACKEND"
 T = TypeVar("T")
-_stand_in: Callable[[str], Any] | None = None
+_stand_in: Callable[[TritonKernel], Any] | None = None
 _failed: set[str] = set()
 
 
@@ -46,7 +46,7 @@ class TritonKernel:
 
     def __getitem__(self, grid: Any) -> Any:
         if _stand_in is not None:
-            return _stand_in(self.name)[grid]
+            return _stand_in(self)[grid]
         return self.jitted()[grid]
 
     def jitted(self) -> Any:
@@ -60,8 +60,8 @@ class TritonKernel:
 
 
 @contextlib.contextmanager
-def stand_in(factory: Callable[[str], Any]) -> Iterator[None]:
-    """Every `TritonKernel` launch goes to `factory(kernel name)[grid](...)` until the block ends."""
+def stand_in(factory: Callable[[TritonKernel], Any]) -> Iterator[None]:
+    """Every `TritonKernel` launch goes to `factory(kernel)[grid](...)` until the block ends."""
     global _stand_in
     previous, _stand_in = _stand_in, factory
     try:
