@@ -27,6 +27,7 @@ _POINTER = {
     torch.float16: "*fp16",
     torch.int64: "*i64",
     torch.int32: "*i32",
+    torch.int8: "*i8",
     torch.bool: "*i1",
 }
 _OPTIONS = ("num_warps", "num_stages")
@@ -76,4 +77,4 @@ def test_every_decode_kernel_builds_for_sm90(model, batch_size):
         built.add(key)
     names = {key[0] for key in built}
     assert {"rms_norm", "kda_decode_gates", "gated_rms_norm", "moe_router", "moe_align"} <= names
-    assert {"moe_grouped_gemm", "paged_mla"} <= names
+    assert {"moe_grouped_gemm", "paged_mla", "paged_mla_merge", "mla_write_kv"} <= names
