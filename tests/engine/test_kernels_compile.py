@@ -60,7 +60,7 @@ def signature(launch: decode_launches.Launch) -> tuple[dict[str, str], dict[str,
     return types, constants, options
 
 
-@pytest.mark.parametrize(("model", "batch_size"), [("1b", 1), ("1b", 64), ("48b", 1)])
+@pytest.mark.parametrize(("model", "batch_size"), [("1b", 1), ("1b", 64), ("48b", 1), ("48b", 64)])
 def test_every_decode_kernel_builds_for_sm90(model, batch_size):
     step = decode_launches.count_decode_step(decode_launches.model_config(model), batch_size, context=300)
     built = set()

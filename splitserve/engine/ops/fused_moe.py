@@ -72,8 +72,10 @@ def align_by_expert(
 # `fused_moe` aligns with one Triton launch instead of ~20 torch ops (each a launch, ~50 us of host
 # time eagerly and a few us of device time in a graph) while pairs x experts (rounded up to a power of
 # two) stays under this: each of its programs compares every pair with every expert, which stops
-# paying for large prefill steps (the torch ops' sort scales better there).
-ALIGN_KERNEL_MAX_WORK = 1 << 17
+# paying for large prefill steps (the torch ops' sort scales better there). 2^20 covers decode of
+# Kimi-Linear-48B (256 experts top-8 and a shared one: 512 x 9 per token) up to ~220 rows; at the
+# limit all programs together make ~0.5 G compares, ~10 us on an H200 by arithmetic (not measured).
+ALIGN_KERNEL_MAX_WORK = 1 << 20
 
 
 def align_by_expert_triton(
