@@ -232,3 +232,16 @@ def _launch(
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=4,
     )
+
+
+def warm_up(
+    w13: torch.Tensor, w2: torch.Tensor, top_k: int, shared: SharedExperts | None, num_rows: int
+) -> None:
+    """Launch the alignment and both grouped GEMMs once for `num_rows` tokens with these experts (each
+    token on experts 0..k-1 and the shared ones), at the block size that many rows take."""
+    num_routed, hidden, dev = w13.shape[0], w13.shape[2], w13.device
+    num_shared = shared.num if shared is not None else 0
+    ids = torch.cat([torch.arange(top_k), num_routed + torch.arange(num_shared)]).to(dev)
+    ids = ids.expand(num_rows, -1).contiguous()
+    weights = torch.ones(ids.shape, device=dev)
+    fused_moe(torch.zeros(num_rows, hidden, dtype=w13.dtype, device=dev), w13, w2, weights, ids, shared)

@@ -146,23 +146,22 @@ def kda_decode_gates_triton(
 
 
 def warm_up(
-    num_heads: int, head_dim: int, taps: int, dtype: torch.dtype, device: torch.device, num_rows: int
+    in_proj: torch.Tensor,
+    conv_weight: torch.Tensor,
+    dt_bias: torch.Tensor,
+    decay_rate: torch.Tensor,
+    num_heads: int,
+    num_rows: int,
 ) -> None:
-    """Compile the kernel for `num_rows` decode rows of a layer of `num_heads` x `head_dim`, `taps` conv taps."""
-    dim = num_heads * head_dim
-    proj = torch.zeros(num_rows, 4 * dim + num_heads, dtype=dtype, device=device)
-    state = torch.zeros(num_rows, 3 * dim, taps - 1, dtype=dtype, device=device)
-    weight = torch.zeros(3 * dim, taps, dtype=dtype, device=device)
-    slots = torch.arange(num_rows, device=device)
-    bias, decay = torch.zeros(dim, device=device), torch.ones(num_heads, 1, device=device)
+    """Launch the kernel once for `num_rows` decode rows of a KDA layer with these weights, on zero
+    inputs laid out as the layer's (slices of its fused projection's output; its own conv windows)."""
+    dim, taps = conv_weight.shape[0] // 3, conv_weight.shape[1]
+    head_dim, dev, dtype = dim // num_heads, in_proj.device, in_proj.dtype
+    proj = torch.zeros(num_rows, in_proj.shape[0], dtype=dtype, device=dev)
+    f = torch.zeros(num_rows, dim, dtype=dtype, device=dev)
+    state = torch.zeros(num_rows, 3 * dim, taps - 1, dtype=dtype, device=dev)
+    slots = torch.arange(num_rows, device=dev)
+    b_logit = proj[:, 3 * dim + head_dim : 3 * dim + head_dim + num_heads]
     kda_decode_gates_triton(
-        proj[:, : 3 * dim],
-        proj[:, 3 * dim : 4 * dim],
-        proj[:, 4 * dim :],
-        state,
-        weight,
-        slots,
-        bias,
-        decay,
-        num_heads,
+        proj[:, : 3 * dim], f, b_logit, state, conv_weight, slots, dt_bias, decay_rate, num_heads
     )

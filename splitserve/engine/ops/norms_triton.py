@@ -147,12 +147,14 @@ def gated_rms_norm_triton(
     return out.view(x.shape)
 
 
-def warm_up(hidden_size: int, head_dim: int, dtype: torch.dtype, device: torch.device, num_rows: int) -> None:
-    """Compile each norm for `num_rows` tokens: RMSNorm with and without the residual add over
-    `hidden_size`, and the gated norm of fp32 inputs (KDA's outputs) over `head_dim`."""
-    x = torch.zeros(num_rows, hidden_size, dtype=dtype, device=device)
-    weight = torch.ones(hidden_size, dtype=dtype, device=device)
-    rms_norm_triton(x, None, weight, 1e-6)
-    rms_norm_triton(x, x, weight, 1e-6)
-    heads = torch.zeros(num_rows, hidden_size // head_dim, head_dim, device=device)
-    gated_rms_norm_triton(heads, heads.to(dtype), weight[:head_dim], 1e-6, dtype)
+def warm_up(
+    norm_weight: torch.Tensor, gated_weight: torch.Tensor | None, num_heads: int, num_rows: int
+) -> None:
+    """Launch each norm once for `num_rows` tokens: RMSNorm with and without the residual add (over
+    `norm_weight`'s width and dtype) and, given KDA's `gated_weight`, its gated norm of `num_heads` fp32 heads."""
+    x = torch.zeros(num_rows, norm_weight.shape[0], dtype=norm_weight.dtype, device=norm_weight.device)
+    rms_norm_triton(x, None, norm_weight, 1e-6)
+    rms_norm_triton(x, x, norm_weight, 1e-6)
+    if gated_weight is not None:
+        core = torch.zeros(num_rows, num_heads, gated_weight.shape[0], device=gated_weight.device)
+        gated_rms_norm_triton(core, core.to(gated_weight.dtype), gated_weight, 1e-6, gated_weight.dtype)

@@ -349,23 +349,24 @@ def write_kv_triton(
         )
 
 
-def warm_up(
-    heads: int, rank: int, rope: int, dtype: torch.dtype, device: torch.device, num_rows: int
-) -> None:
-    """Compile the KV write, the attention and the merge for `num_rows` decode rows of 16 context tokens."""
-    kv = torch.zeros(num_rows, rank + rope, dtype=dtype, device=device)
-    pool = torch.zeros(16 * num_rows, rank + rope, dtype=dtype, device=device)
-    slots = torch.arange(num_rows, device=device)
-    write_kv_triton(kv, torch.ones(rank, dtype=dtype, device=device), 1e-6, pool, slots)
+def warm_up(norm_weight: torch.Tensor, num_heads: int, nope: int, rope: int, num_rows: int) -> None:
+    """Launch the KV write, the attention and the merge once for `num_rows` decode rows of 16 context
+    tokens, on zeros laid out as the MLA layer's (the query's rope part a slice of its projection, the
+    latent part and the output head-major)."""
+    rank, dev, dtype = norm_weight.shape[0], norm_weight.device, norm_weight.dtype
+    kv = torch.zeros(num_rows, rank + rope, dtype=dtype, device=dev)
+    pool = torch.zeros(16 * num_rows, rank + rope, dtype=dtype, device=dev)
+    rows = torch.arange(num_rows, device=dev)
+    write_kv_triton(kv, norm_weight, 1e-6, pool, rows)
     group = TokenGroup(
-        token_index=slots.view(-1, 1),
-        valid=torch.ones(num_rows, 1, dtype=torch.bool, device=device),
+        token_index=rows.view(-1, 1),
+        valid=torch.ones(num_rows, 1, dtype=torch.bool, device=dev),
         lengths=[1] * num_rows,
-        state_slots=slots,
-        kv_index=torch.arange(16 * num_rows, device=device).view(num_rows, 16),
-        query_pos=torch.full((num_rows, 1), 15, device=device),
+        state_slots=rows,
+        kv_index=torch.arange(16 * num_rows, device=dev).view(num_rows, 16),
+        query_pos=torch.full((num_rows, 1), 15, device=dev),
     )
-    q = torch.zeros(num_rows, heads, rank + rope, dtype=dtype, device=device)
-    paged_mla_triton(
-        q, pool, group, rank, 1.0, torch.empty(num_rows, heads, rank, dtype=dtype, device=device)
-    )
+    q = torch.zeros(num_rows, num_heads, nope + rope, dtype=dtype, device=dev)
+    q_latent = torch.zeros(num_heads, num_rows, rank, dtype=dtype, device=dev).transpose(0, 1)
+    out = torch.empty(num_heads, num_rows, rank, dtype=dtype, device=dev).transpose(0, 1)
+    paged_mla_triton_split(q_latent, q[..., nope:], pool, group, 1.0, out)

@@ -143,14 +143,13 @@ def route_triton(
 
 
 def warm_up(
+    weight: torch.Tensor,
+    bias: torch.Tensor,
     spec: RouterSpec,
     num_shared: int,
-    hidden_size: int,
     dtype: torch.dtype,
-    device: torch.device,
-    num_tokens: int,
+    num_rows: int,
 ) -> None:
-    """Compile the router of `spec` (appending `num_shared` experts) for `num_tokens` tokens of `hidden_size`."""
-    x = torch.zeros(num_tokens, hidden_size, dtype=dtype, device=device)
-    weight = torch.zeros(spec.num_experts, hidden_size, device=device)
-    route_triton(x, weight, torch.zeros(spec.num_experts, device=device), spec, num_shared)
+    """Launch the router once for `num_rows` tokens in `dtype`, with these weights."""
+    x = torch.zeros(num_rows, weight.shape[1], dtype=dtype, device=weight.device)
+    route_triton(x, weight, bias, spec, num_shared)
