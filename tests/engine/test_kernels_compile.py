@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, compile  # noqa: E402
 
-from experiments import decode_launches  # noqa: E402
+from experiments import decode_launches, launch_counter  # noqa: E402
 
 H200 = GPUTarget("cuda", 90, 32)
 _POINTER = {
@@ -33,7 +33,7 @@ _POINTER = {
 _OPTIONS = ("num_warps", "num_stages")
 
 
-def signature(launch: decode_launches.Launch) -> tuple[dict[str, str], dict[str, Any], dict[str, Any]]:
+def signature(launch: launch_counter.Launch) -> tuple[dict[str, str], dict[str, Any], dict[str, Any]]:
     """The launch as triton's JIT would see it: parameter types, constexprs, compile options."""
     import triton
 
