@@ -82,3 +82,32 @@ def test_the_fused_kernels_run_on_cuda_only_unless_forced(monkeypatch):
     monkeypatch.setenv(triton_kernel.FUSED_BACKEND_ENV, "cuda")
     with pytest.raises(ValueError, match="expected 'torch' or 'triton'"):
         triton_kernel.fused_backend(torch.device("cpu"))
+
+
+def test_a_moe_layer_whose_kernels_fail_gives_the_torch_result(monkeypatch, caplog):
+    """Every Triton launch raising (a kernel that does not build): the MoE block's fused path (the
+    shared experts riding in the routed kernels) falls back to the reference, same output."""
+    from splitserve.engine.model.moe import SparseMoE
+    from splitserve.engine.ops import fused_moe
+    from tests.engine.test_decode_launches import decode_launches
+
+    config = decode_launches.model_config("tiny")
+    torch.manual_seed(0)
+    moe = SparseMoE(config)
+    for p in moe.parameters():
+        p.requires_grad_(False).normal_(0, 0.2)
+    moe.shared_experts.finalize()
+    x = torch.randn(5, config.hidden_size)
+    want = moe(x)  # the CPU: torch references
+
+    class Broken:
+        def __getitem__(self, grid: object) -> object:
+            raise RuntimeError("PTX assembly failed")
+
+    monkeypatch.setattr(triton_kernel, "_failed", set())
+    monkeypatch.setenv(fused_moe.BACKEND_ENV, "triton")
+    with triton_kernel.stand_in(lambda kernel: Broken()), caplog.at_level(logging.ERROR):
+        got = [moe(x) for _ in range(2)]
+    assert all(torch.equal(g, want) for g in got)
+    assert triton_kernel._failed == {"moe_align", "moe_grouped_gemm"}
+    assert len([r for r in caplog.records if "Triton kernel failed" in r.getMessage()]) == 2  # once each

@@ -15,6 +15,7 @@ from splitserve.engine.forward_batch import ForwardBatch
 from splitserve.engine.model.layers import RMSNorm
 from splitserve.engine.model_config import KimiLinearModelConfig
 from splitserve.engine.ops.paged_mla import mla_backend, paged_mla_torch, write_kv
+from splitserve.engine.ops.triton_kernel import kernel_or_torch
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -60,10 +61,15 @@ class MultiHeadLatentAttention(nn.Module):
         write_kv(self.kv_a_proj_with_mqa(x), norm.weight, norm.eps, kv_pool, batch.slot_mapping)
         # absorb W_uk into the query: [T, H, nope] x [H, nope, rank] -> [T, H, rank]
         q_latent = torch.einsum("thn,hnr->thr", q[..., : self.nope_dim], self.w_uk)
+        q_rope = q[..., self.nope_dim :]
         if mla_backend(kv_pool.device) == "triton":
-            out = self._attend_triton(q_latent, q[..., self.nope_dim :], batch, kv_pool)
+            out = kernel_or_torch(
+                "paged_mla",
+                lambda: self._attend_triton(q_latent, q_rope, batch, kv_pool),
+                lambda: self._attend_torch(q_latent, q_rope, batch, kv_pool),
+            )
         else:
-            out = self._attend_torch(q_latent, q[..., self.nope_dim :], batch, kv_pool)
+            out = self._attend_torch(q_latent, q_rope, batch, kv_pool)
         return self.o_proj(out)
 
     def _attend_torch(

@@ -16,6 +16,7 @@ from splitserve.engine.model_config import KimiLinearModelConfig
 from splitserve.engine.ops.fused_moe import SharedExperts, fused_moe, moe_backend
 from splitserve.engine.ops.moe_reference import moe_experts_torch
 from splitserve.engine.ops.router import RouterSpec, route
+from splitserve.engine.ops.triton_kernel import kernel_or_torch
 
 
 class TopKRouter(nn.Module):
@@ -60,7 +61,11 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         if moe_backend(x.device) == "triton":
-            return fused_moe(x, self.w13, self.w2, weights, expert_ids)
+            return kernel_or_torch(
+                "moe_grouped_gemm",
+                lambda: fused_moe(x, self.w13, self.w2, weights, expert_ids),
+                lambda: moe_experts_torch(x, self.w13, self.w2, weights, expert_ids),
+            )
         return moe_experts_torch(x, self.w13, self.w2, weights, expert_ids)
 
 
@@ -84,8 +89,16 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.shared_experts.gate_up  # fused at load
         if moe_backend(x.device) == "triton" and self.num_shared and gate_up is not None:
-            weights, expert_ids = self.gate(x, self.num_shared)
             shared = SharedExperts(gate_up, self.shared_experts.down_proj.weight, self.num_shared)
-            return fused_moe(x, self.experts.w13, self.experts.w2, weights, expert_ids, shared)
+
+            def fused() -> torch.Tensor:
+                weights, expert_ids = self.gate(x, self.num_shared)
+                return fused_moe(x, self.experts.w13, self.experts.w2, weights, expert_ids, shared)
+
+            return kernel_or_torch("moe_grouped_gemm", fused, lambda: self._apart(x))
+        return self._apart(x)
+
+    def _apart(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts (fused or the torch reference) and the shared MLP, each on its own."""
         weights, expert_ids = self.gate(x)
         return self.experts(x, weights, expert_ids) + self.shared_experts(x)
