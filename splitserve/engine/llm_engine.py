@@ -116,7 +116,9 @@ class LLMEngine:
     def _block_pool(self) -> tuple[BlockAllocator, SlotAllocator, PrefixCache | None]:
         """The block and slot allocators, and the prefix cache when caching is on."""
         self.prefix_cache = make_prefix_cache(self.config, self.plan, self.caches)
-        blocks = BlockAllocator(self.plan.num_blocks) if self.prefix_cache is None else self.prefix_cache.blocks
+        blocks = (
+            BlockAllocator(self.plan.num_blocks) if self.prefix_cache is None else self.prefix_cache.blocks
+        )
         return blocks, SlotAllocator(self.plan.num_slots, self.caches), self.prefix_cache
 
     def _plan_cache(self) -> tuple[CachePlan, int]:
