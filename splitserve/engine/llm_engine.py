@@ -29,6 +29,7 @@ from splitserve.engine.state_transfer import LayerState, token_rows
 from splitserve.engine.stopping import check_stop
 from splitserve.engine.swap_space import SwapSpace, SwapStats, make_swapper
 from splitserve.engine.transfer_sink import TransferSink
+from splitserve.engine.warm_up import use_kernel_caches, warm_up_engine
 from splitserve.engine_config import EngineConfig
 from splitserve.sampling_params import SamplingParams
 
@@ -61,6 +62,7 @@ class LLMEngine:
     """Owns one model replica, its caches, scheduler and sampler; not thread-safe (one driver)."""
 
     def __init__(self, config: EngineConfig) -> None:
+        load_start_s = time.monotonic()
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -70,6 +72,7 @@ class LLMEngine:
         if mc.hidden_act != "silu":
             raise ValueError(f"hidden_act {mc.hidden_act!r} is not supported (only 'silu')")
         self.device = torch.device(config.device)
+        use_kernel_caches(self.device)  # before anything compiles: a restart finds the kernels there
         dtype = getattr(torch, config.dtype)  # EngineConfig.dtype is a torch dtype name
         context_len(mc, config)  # a max_model_len beyond the checkpoint's fails before the weights load
         self.model = load_model(mc, path, dtype, self.device)
@@ -104,6 +107,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._sinks: dict[str, TransferSink] = {}  # reserved requests' state, written from any thread
         self._arrivals = itertools.count()
+        self.warm_up = warm_up_engine(self, load_start_s)  # compiles, autotunes before the first request
         logger.info(
             "engine ready: %d KV blocks x %d tokens, %d state slots, %.1f MiB of cache; %d prefix snapshots",
             self.plan.num_blocks,
