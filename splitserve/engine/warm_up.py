@@ -18,8 +18,8 @@ compiles (a CUDA device, triton and fla; `kernels_compile`) it:
 
 Every dummy row computes into one state slot and one KV block (all its positions map to the block's
 rows): the scratch pair when the engine pads decode batches, else slot 0 and block 0, which no
-request holds yet. Both are zeroed after, so every cache is as the allocators left it. No row
-samples, so the sampler and its generators are untouched. The load log gets one line with each
+request holds yet. Both are zeroed after, so every cache is as the allocators left it. Only the
+decode step samples, greedily, so the sampler's generators are never drawn from. The load log gets one line with each
 part's seconds. On a CPU nothing compiles and it returns at once.
 
 `use_kernel_caches(device)` points `TRITON_CACHE_DIR` at `<splitserve cache>/triton` (unless set):
@@ -163,8 +163,11 @@ def _run_dummy_steps(engine: LLMEngine) -> list[int]:
             scheduled = []
             for computed, num_new in rows:
                 end = computed + num_new
-                # two tokens past the chunk: no row samples, so the sampler is never touched
-                request = Request("__warm_up__", [0] * (end + 2), SamplingParams(max_tokens=1), 1, -1)
+                # the decode step alone samples (the logits and a greedy pick: no generator drawn
+                # from); other rows end two tokens short of their prompt, so they sample nothing
+                samples = len(rows) == 1 and num_new == 1
+                ids = [0] * (end if samples else end + 2)
+                request = Request("__warm_up__", ids, SamplingParams(temperature=0, max_tokens=1), 1, -1)
                 request.num_computed_tokens, request.state_slot = computed, slot
                 request.block_table = [block] * -(-end // block_size)  # every position in one block
                 scheduled.append(ScheduledRequest(request, num_new))

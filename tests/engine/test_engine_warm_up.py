@@ -57,7 +57,9 @@ def test_a_cpu_engine_skips_the_warm_up(tiny_llm):
     ids=["plain", "prefix-caching", "padded-decode", "replay-ssm"],
 )
 def test_the_warm_up_leaves_caches_and_allocators_as_loaded_and_tokens_unchanged(tiny_model_path, extra):
-    params = [GREEDY, SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True), GREEDY]
+    # greedy, seeded, and unseeded (drawn from the engine's own generator: the warm-up must not draw)
+    seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True)
+    params = [GREEDY, seeded, SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True)]
     cold = LLM(str(tiny_model_path), **SMALL, **extra)
     want = _tokens(cold, params)
     warm = LLM(str(tiny_model_path), **SMALL, **extra)
