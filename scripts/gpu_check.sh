@@ -99,18 +99,18 @@ install_stage() {
   # shellcheck disable=SC1091
   . "$venv/bin/activate"
   echo "ACTIVATE: $venv"  # the stages after this one run in it
-  if ! python -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)" >/dev/null 2>&1; then
+  if ! python3 -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)" >/dev/null 2>&1; then
     pip install -q "torch>=2.7" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} || return 1
   fi
   pip install -q -e "$root[engine,gpu,dev]"
 }
 ready_to_run() {  # everything the check imports is there, with a CUDA torch
-  python -c "import sys, torch, triton, fla, transformers, safetensors, grpc_health, pytest, pytest_timeout
+  python3 -c "import sys, torch, triton, fla, transformers, safetensors, grpc_health, pytest, pytest_timeout
 sys.exit(0 if torch.version.cuda else 1)" >/dev/null 2>&1
 }
 device_stage() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
-  python - "$smoke" <<'PY'
+  python3 - "$smoke" <<'PY'
 import importlib.util, sys
 import torch
 smoke = sys.argv[1] == "1"
@@ -130,11 +130,11 @@ PY
 }
 tests_stage() {
   if [ "$smoke" = 1 ]; then  # no GPU: the gpu-marked tests are collected, not run
-    python -m pytest -q --co -m gpu -p no:cacheprovider tests/engine | tail -1
+    python3 -m pytest -q --co -m gpu -p no:cacheprovider tests/engine | tail -1
     return "${PIPESTATUS[0]}"
   fi
   # a test still running after 60 s prints every thread's stack (a hang says where it is)
-  python -m pytest -q -m gpu -p no:cacheprovider -rs --durations=10 -o faulthandler_timeout=60 tests/engine
+  python3 -m pytest -q -m gpu -p no:cacheprovider -rs --durations=10 -o faulthandler_timeout=60 tests/engine
 }
 cluster_stage() {
   if [ ! -f "$cluster_config" ]; then
@@ -150,16 +150,16 @@ stage_command() {  # stage_command KEY FIGURES: run stage KEY, its figures to FI
   case "$key" in
     install) install_stage ;;
     device) device_stage ;;
-    checkpoint) python -m experiments.gpu_model "${dev[@]}" "${model[@]}" --json "$fig" ;;
-    launches) python -m experiments.gpu_launches "${dev[@]}" --batch-sizes 1,64 --json "$fig" ;;
-    decode) python -m experiments.gpu_throughput "${dev[@]}" "${model[@]}" --engine-only \
+    checkpoint) python3 -m experiments.gpu_model "${dev[@]}" "${model[@]}" --json "$fig" ;;
+    launches) python3 -m experiments.gpu_launches "${dev[@]}" --batch-sizes 1,64 --json "$fig" ;;
+    decode) python3 -m experiments.gpu_throughput "${dev[@]}" "${model[@]}" --engine-only \
       --batch-sizes "$decode_batches" --json "$fig" ;;
-    long) python -m experiments.gpu_long "${dev[@]}" "${model[@]}" --sizes "$long_sizes" --json "$fig" ;;
-    mixed) python -m experiments.gpu_mixed "${dev[@]}" "${model[@]}" --json "$fig" ;;
-    ready) python -m experiments.gpu_ready "${dev[@]}" "${model[@]}" --json "$fig" ;;
-    hf) python -m experiments.gpu_vs_transformers "${dev[@]}" "${model[@]}" --batch-sizes "$decode_batches" \
+    long) python3 -m experiments.gpu_long "${dev[@]}" "${model[@]}" --sizes "$long_sizes" --json "$fig" ;;
+    mixed) python3 -m experiments.gpu_mixed "${dev[@]}" "${model[@]}" --json "$fig" ;;
+    ready) python3 -m experiments.gpu_ready "${dev[@]}" "${model[@]}" --json "$fig" ;;
+    hf) python3 -m experiments.gpu_vs_transformers "${dev[@]}" "${model[@]}" --batch-sizes "$decode_batches" \
       --json "$fig" ;;
-    kernels) python -m experiments.gpu_throughput "${dev[@]}" --kernels-only --batch-sizes "$decode_batches" \
+    kernels) python3 -m experiments.gpu_throughput "${dev[@]}" --kernels-only --batch-sizes "$decode_batches" \
       --json "$fig" ;;
     tests) tests_stage ;;
     cluster) cluster_stage ;;
@@ -196,7 +196,7 @@ for key in $stages; do
   fig="$work/$key.figures.json" log="$work/$key.log"
   rm -f "$fig"
   if [ "$left" -lt 15 ]; then
-    python -m experiments.gpu_check_report record "$jsonl" --stage "$key" --status skipped --limit "$limit" \
+    python3 -m experiments.gpu_check_report record "$jsonl" --stage "$key" --status skipped --limit "$limit" \
       --note "no time left in the run's ${budget_s} s"
     continue
   fi
@@ -215,11 +215,11 @@ for key in $stages; do
     *) status=failed note="exit $rc" ;;
   esac
   if [ "$status" = timeout ] || [ "$status" = failed ]; then failed=1; fi
-  python -m experiments.gpu_check_report record "$jsonl" --stage "$key" --status "$status" --rc "$rc" \
+  python3 -m experiments.gpu_check_report record "$jsonl" --stage "$key" --status "$status" --rc "$rc" \
     --seconds "$seconds" --limit "$limit" --figures "$fig" --log "$log" --note "$note"
   venv="$(grep -m1 '^ACTIVATE: ' "$log" | cut -c11-)"
   # shellcheck disable=SC1091
   if [ -n "$venv" ] && [ "$status" = ok ]; then . "$venv/bin/activate"; fi
 done
-python -m experiments.gpu_check_report table "$jsonl"
+python3 -m experiments.gpu_check_report table "$jsonl"
 exit "$failed"

@@ -98,7 +98,10 @@ def use_kernel_caches(device: torch.device) -> dict[str, str]:
 
 
 def kernels_compile(device: torch.device) -> bool:
-    """Whether any op of this engine runs a kernel that compiles (Triton or fla) on `device`."""
+    """Whether any op of this engine runs a kernel that compiles (Triton or fla) on `device`: only on
+    CUDA (elsewhere a kernel forced on runs interpreted, or stubbed, and compiles nothing)."""
+    if device.type != "cuda":
+        return False
     from splitserve.engine.ops.fused_moe import moe_backend
     from splitserve.engine.ops.kda_dispatch import kda_backend
     from splitserve.engine.ops.paged_mla import mla_backend

@@ -41,9 +41,12 @@ def _caches_all_zero(llm: LLM) -> bool:
     return all(not t.any() for t in tensors)
 
 
-def test_a_cpu_engine_skips_the_warm_up(tiny_llm):
+def test_a_cpu_engine_skips_the_warm_up_even_with_kernels_forced(tiny_llm, monkeypatch):
     report = tiny_llm.engine.warm_up
     assert report.chunk_lengths == [] and report.decode_kernels == [] and report.prefill_s == 0.0
+    with cuda_code_path(LaunchCounter()):  # interpreted or stubbed kernels compile nothing
+        assert not warm_up.kernels_compile(torch.device("cpu"))
+        assert warm_up.kernels_compile(torch.device("cuda"))
 
 
 @pytest.mark.parametrize(
@@ -72,15 +75,19 @@ def test_the_warm_up_leaves_caches_and_allocators_as_loaded_and_tokens_unchanged
     assert _tokens(warm, params) == want
 
 
-def _build_on_the_cuda_code_path(path: Any, counter: LaunchCounter) -> LLM:
+def _build_on_the_cuda_code_path(path: Any, counter: LaunchCounter, monkeypatch: pytest.MonkeyPatch) -> LLM:
+    """An engine whose every kernel is stubbed (counted), built as on CUDA, where kernels compile."""
+    monkeypatch.setattr(warm_up, "kernels_compile", lambda device: True)
     with cuda_code_path(counter):
         return LLM(str(path), **SMALL, cuda_graph_batch_sizes=(1, 2, 4))
 
 
-def test_the_warm_up_launches_every_kernel_of_a_decode_step_and_a_prefill_chunk(tiny_model_path, caplog):
+def test_the_warm_up_launches_every_kernel_of_a_decode_step_and_a_prefill_chunk(
+    tiny_model_path, caplog, monkeypatch
+):
     counter = LaunchCounter()
     with caplog.at_level(logging.INFO, logger=warm_up.__name__):
-        llm = _build_on_the_cuda_code_path(tiny_model_path, counter)
+        llm = _build_on_the_cuda_code_path(tiny_model_path, counter, monkeypatch)
     report = llm.engine.warm_up
     assert report.decode_batch_sizes == [1, 2, 4]
     assert len(report.decode_kernels) == 5 * 3  # norms, KDA gates, router, MLA, MoE per batch size
@@ -95,9 +102,9 @@ def test_the_warm_up_launches_every_kernel_of_a_decode_step_and_a_prefill_chunk(
         assert part in line, line
 
 
-def test_a_long_prompt_and_its_decode_after_the_warm_up_compile_nothing_new(tiny_model_path):
+def test_a_long_prompt_and_its_decode_after_the_warm_up_compile_nothing_new(tiny_model_path, monkeypatch):
     counter = LaunchCounter()
-    llm = _build_on_the_cuda_code_path(tiny_model_path, counter)
+    llm = _build_on_the_cuda_code_path(tiny_model_path, counter, monkeypatch)
     warmed = {compile_key(launch) for launch in counter.launched}
     tuned = set(counter.fla_calls)
     counter.launched.clear()
