@@ -56,7 +56,7 @@ while [ $# -gt 0 ]; do
 done
 
 # The whole run's budget, install included, a little under the 4 and 8 minutes.
-if [ "$quick" = 1 ]; then budget_s=230; else budget_s=470; fi
+if [ "$quick" = 1 ]; then budget_s=225; else budget_s=465; fi
 quick_stages="install device checkpoint launches decode long"
 full_stages="install device checkpoint launches decode long mixed ready hf kernels tests cluster"
 if [ -n "$stages_arg" ]; then stages=" $stages_arg "
