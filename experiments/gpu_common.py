@@ -68,6 +68,11 @@ def stage_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write the stage's figures here (one JSON object)")
 
 
+def batch_sizes(value: str | None, tiny: bool) -> list[int]:
+    """`--batch-sizes` (comma-separated), by default 1, 16, 64 (tiny: 1, 2)."""
+    return [int(b) for b in (value or ("1,2" if tiny else "1,16,64")).split(",")]
+
+
 def check_device(device: str) -> None:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(

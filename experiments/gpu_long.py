@@ -156,7 +156,6 @@ def print_chunks(result: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-
     args = parse_args(argv)
     check_device(args.device)
     with tempfile.TemporaryDirectory() as scratch:

@@ -108,7 +108,6 @@ def measure(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-
     args = parse_args(argv)
     check_device(args.device)
     with tempfile.TemporaryDirectory() as scratch:

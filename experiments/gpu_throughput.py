@@ -35,6 +35,7 @@ import torch
 
 from experiments.gpu_common import (
     MODEL_1B,
+    batch_sizes,
     check_device,
     checkpoint,
     load_engine,
@@ -70,7 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     part.add_argument("--engine-only", action="store_true", help="the engine table alone")
     part.add_argument("--kernels-only", action="store_true", help="the kernel tables alone")
     args = parser.parse_args(argv)
-    args.batch_sizes = [int(b) for b in (args.batch_sizes or ("1,2" if args.tiny else "1,16,64")).split(",")]
+    args.batch_sizes = batch_sizes(args.batch_sizes, args.tiny)
     args.prompt_len = args.prompt_len or (8 if args.tiny else 512)
     args.decode_tokens = args.decode_tokens or (2 if args.tiny else 64)
     args.dtype = model_dtype(args.device)

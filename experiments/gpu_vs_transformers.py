@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from experiments.gpu_common import (
+    batch_sizes,
     check_device,
     checkpoint,
     load_engine,
@@ -44,7 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens generated (default 32; tiny: 3)")
     args = parser.parse_args(argv)
-    args.batch_sizes = [int(b) for b in (args.batch_sizes or ("1,2" if args.tiny else "1,16,64")).split(",")]
+    args.batch_sizes = batch_sizes(args.batch_sizes, args.tiny)
     args.prompt_len = args.prompt_len or (8 if args.tiny else 256)
     args.new_tokens = args.new_tokens or (3 if args.tiny else 32)
     args.dtype = model_dtype(args.device)
