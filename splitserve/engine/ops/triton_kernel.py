@@ -1,9 +1,9 @@
 """How the engine's Triton kernels are built, chosen, stood in for, and replaced when one fails to build.
 
 * `TritonKernel(name, fn, do_not_specialize)`: `kernel[grid](...)` decorates `fn` with `triton.jit` on
-  first use, once per interpreter mode (triton decides between compiling and interpreting when a function is
-  decorated, and `TRITON_INTERPRET=1` runs the same kernel on CPU tensors, which is how the CPU tests
-  check each kernel against its torch reference).
+  first use, once per interpreter mode (triton decides between compiling and interpreting when a
+  function is decorated, and `TRITON_INTERPRET=1` runs the same kernel on CPU tensors, which is how
+  the CPU tests check each kernel against its torch reference).
 * `stand_in(factory)`: while it is active every `TritonKernel` launch goes to
   `factory(kernel)[grid](...)` instead: the CPU tests stub the launches (the torch code around them
   still runs, under FakeTensorMode) and experiments/decode_launches.py counts them.
