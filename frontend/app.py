@@ -60,6 +60,8 @@ def build_app(
     )
 
     app = FastAPI(title="splitserve gateway", lifespan=_lifespan(monitor, clients, cache_monitor))
+    app.state.settings = settings  # the server reads its connection limits here (frontend.server)
+    app.state.on_refusal = gateway_metrics.observe_refusal  # and counts what its protocol refuses
     app.state.pipeline = pipeline
     app.state.monitor = monitor
     app.state.cache_monitor = cache_monitor
