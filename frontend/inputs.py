@@ -76,13 +76,17 @@ def tokenize_prompt(prompt: str | list[int], tokenizer: Tokenizer | None) -> lis
 
 def check_token_ids(ids: list[int], tokenizer: Tokenizer | None, param: str) -> None:
     """Ids a request names must be in the vocabulary, when the gateway knows it (a tokenizer);
-    else they must at least be non-negative. A worker would fail on them, or never match one."""
+    else they must at least be non-negative. A worker would fail on them, or never match one.
+    (`min` and `max` run in C: a long prompt of ids costs no Python frame per id.)"""
+    if not ids:
+        return
+    low, high = min(ids), max(ids)
     if tokenizer is None:
-        if any(t < 0 for t in ids):
+        if low < 0:
             raise bad_request(f"{param} token ids must be non-negative", param)
         return
     vocab_size = tokenizer.vocab_size
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    bad = low if low < 0 else high if high >= vocab_size else None
     if bad is not None:
         raise bad_request(
             f"{param} token id {bad} is out of range; the vocabulary has {vocab_size} tokens "

@@ -10,7 +10,7 @@ bounded here, so none can overflow on the way to a worker.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
@@ -37,6 +37,13 @@ from frontend.openai_responses import (
 )
 from frontend.prompt_shape import INT32_MAX, Prompt, integral
 from frontend.request_checks import check_raw_request, log_unknown_fields
+from frontend.request_counts import (
+    MAX_CONTENT_PARTS,
+    MAX_MESSAGES,
+    MAX_METADATA_ENTRIES,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 from splitserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # The bounds first, the validator after: so the schema says minimum/maximum (pydantic writes a
@@ -44,7 +51,6 @@ from splitserve.sampling_params import MAX_LOGPROBS, SamplingParams
 Int32 = Annotated[int, Field(ge=-(2**31), le=INT32_MAX), BeforeValidator(integral)]
 # Roles a chat message may have. OpenAI's "tool" and "function" answer tool calls, unsupported here.
 CHAT_ROLES = ("system", "developer", "user", "assistant")
-MAX_STOP_STRINGS = 16  # the gateway searches the text for each after every token
 
 
 class StreamOptions(BaseModel):
@@ -63,6 +69,8 @@ class _Request(BaseModel):
     # a value is the JSON type the schema names (no "5" or 5.0 for an integer, no 0 for a boolean),
     # so the server takes what the OpenAPI document says and nothing else.
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
+    # the fields whose items are counted on the raw JSON, before anything is done per item
+    _COUNTED: ClassVar[tuple[str, ...]] = ("stop", "stop_token_ids", "metadata")
 
     model: str | None = None
     max_tokens: Int32 | None = None
@@ -71,14 +79,14 @@ class _Request(BaseModel):
     n: Int32 = Field(1, json_schema_extra={"enum": [1]})  # the schema names the one value served
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: Annotated[int, Field(ge=0, le=2**63 - 1), BeforeValidator(integral)] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
     user: str | None = None
     # OpenAI's bookkeeping fields: accepted and ignored (nothing a client reads depends on them)
-    metadata: dict[str, str] | None = None
+    metadata: Annotated[dict[str, str], Field(max_length=MAX_METADATA_ENTRIES)] | None = None
     store: bool | None = None
     parallel_tool_calls: bool | None = None
     prompt_cache_key: str | None = None
@@ -92,12 +100,19 @@ class _Request(BaseModel):
     return_tokens_as_token_ids: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    stop_token_ids: list[Annotated[int, Field(le=INT32_MAX), BeforeValidator(integral)]] | None = None
+    stop_token_ids: (
+        Annotated[
+            list[Annotated[int, Field(le=INT32_MAX), BeforeValidator(integral)]],
+            Field(max_length=MAX_STOP_TOKEN_IDS),
+        ]
+        | None
+    ) = None
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_raw(cls, data: Any) -> Any:
-        check_raw_request(data)  # raises a GatewayError (400), which pydantic lets through
+        # raises a GatewayError (400), which pydantic lets through
+        check_raw_request(data, cls._COUNTED, cls.model_fields)
         return data
 
     @model_validator(mode="after")
@@ -115,12 +130,6 @@ class _Request(BaseModel):
                 "stream_options.continuous_usage_stats is not supported; include_usage adds one last "
                 "chunk with the usage",
                 "stream_options.continuous_usage_stats",
-            )
-        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
-            raise bad_request(
-                f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed "
-                "(each is searched for after every token)",
-                "stop",
             )
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -158,6 +167,7 @@ class _Request(BaseModel):
 class CompletionRequest(_Request):
     """POST /v1/completions. `prompt` may be text, a list of texts, token ids or lists of them."""
 
+    _COUNTED: ClassVar[tuple[str, ...]] = (*_Request._COUNTED, "prompt")
     prompt: Prompt
     max_tokens: Int32 | None = 16
     logprobs: Int32 | None = None
@@ -196,7 +206,9 @@ class ChatMessage(BaseModel):
 
     role: str = Field(json_schema_extra={"enum": list(CHAT_ROLES)})
     # validate_default: a missing content is refused like a null one
-    content: str | list[dict[str, Any]] | None = Field(None, validate_default=True)
+    content: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_CONTENT_PARTS)] | None = Field(
+        None, validate_default=True
+    )
     name: str | None = None
 
     @field_validator("role")
@@ -228,7 +240,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions. `logprobs` is a flag here; `top_logprobs` says how many."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    _COUNTED: ClassVar[tuple[str, ...]] = (*_Request._COUNTED, "messages")
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: Int32 | None = None
     logprobs: bool = False
     top_logprobs: Int32 | None = None
