@@ -3,7 +3,8 @@
 Text is tokenized here (the chat template rendered first); token ids are taken as they are.
 The context check names both numbers, as a user needs to fix the request. A text longer than
 `max_prompt_chars` is refused before it is tokenized (a 20 MB prompt would hold the tokenizer
-for seconds only to be refused for its token count). Text goes through
+for seconds only to be refused for its token count); a chat's text is the prompt its template
+rendered, so names and extra fields the template shows count too. Text goes through
 the tokenizer's GIL-free path, and long inputs run on a worker thread (`off_the_loop_if_long`),
 so one 100k-token prompt does not stall every stream the event loop serves for a fifth of a
 second.
@@ -42,14 +43,25 @@ def prompt_chars(prompts: Sequence[str | list[int]]) -> int:
 
 
 def messages_chars(messages: list[dict[str, Any]]) -> int:
-    return sum(len(str(m.get("content") or "")) for m in messages)
+    """About the characters the template renders from `messages` (what decides a thread hop): their
+    texts, and LONG_TEXT_CHARS for a value of another kind (what the template makes of it is unknown)."""
+    return sum(_value_chars(value) for message in messages for value in message.values())
 
 
-def check_prompt_chars(num_chars: int, max_prompt_chars: int, param: str) -> None:
-    """A 400 for a text over the character limit, before any tokenizing."""
+def _value_chars(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list) and all(isinstance(part, dict) for part in value):  # content parts
+        return sum(len(str(part.get("text", ""))) for part in value)
+    return 0 if value is None else LONG_TEXT_CHARS
+
+
+def check_prompt_chars(num_chars: int, max_prompt_chars: int, param: str, what: str | None = None) -> None:
+    """A 400 for a text over the character limit, before any tokenizing; `what` names the text
+    (by default `param`)."""
     if num_chars > max_prompt_chars:
         raise bad_request(
-            f"{param} has {num_chars} characters; this gateway takes at most {max_prompt_chars} "
+            f"{what or param} has {num_chars} characters; this gateway takes at most {max_prompt_chars} "
             "(gateway.max_prompt_chars) before tokenizing; shorten it",
             param,
         )
@@ -100,8 +112,11 @@ def tokenize_chat(
     tokenizer: Tokenizer | None,
     add_generation_prompt: bool,
     template_kwargs: dict[str, Any] | None,
+    max_prompt_chars: int | None = None,
 ) -> list[int]:
-    """Render the chat template and tokenize it (the template carries its own special tokens)."""
+    """Render the chat template and tokenize it (the template carries its own special tokens).
+    The character limit counts what the template rendered: names, extra fields, template
+    arguments, markup and all; a text over it is refused untokenized."""
     tokenizer = require_tokenizer(tokenizer, "chat messages")
     try:
         text = tokenizer.apply_chat_template(
@@ -116,6 +131,10 @@ def tokenize_chat(
             "chat_template_kwargs",
             "messages",
         ) from exc
+    if max_prompt_chars is not None:
+        check_prompt_chars(
+            len(text), max_prompt_chars, "messages", "the chat prompt (messages as the template renders them)"
+        )
     ids = tokenizer.encode_releasing_gil(text, add_special_tokens=False)
     if not ids:
         raise bad_request("the rendered chat prompt is empty", "messages")
@@ -146,16 +165,16 @@ async def prompt_ids(
     body: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer | None, max_prompt_chars: int
 ) -> list[list[int]]:
     """Every prompt's token ids (one per choice): completions' prompts as they are or tokenized,
-    chat's messages through the template; long texts are tokenized off the event loop, texts over
-    `max_prompt_chars` (a chat's messages together) not at all."""
+    chat's messages through the template; long texts are rendered and tokenized off the event
+    loop, texts over `max_prompt_chars` (a chat's prompt as rendered) not tokenized at all."""
     if isinstance(body, ChatCompletionRequest):
         messages = body.template_messages()
-        num_chars = messages_chars(messages)
-        check_prompt_chars(num_chars, max_prompt_chars, "messages")
         add_generation_prompt, template_kwargs = body.add_generation_prompt, body.chat_template_kwargs
         return await off_the_loop_if_long(
-            num_chars,
-            lambda: [tokenize_chat(messages, tokenizer, add_generation_prompt, template_kwargs)],
+            messages_chars(messages) + LONG_TEXT_CHARS * bool(template_kwargs),
+            lambda: [
+                tokenize_chat(messages, tokenizer, add_generation_prompt, template_kwargs, max_prompt_chars)
+            ],
         )
     texts = body.prompts()
     for text in texts:
