@@ -143,6 +143,8 @@ def tokenize_chat(
 
 def token_budget(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
     """max_tokens to run with: as asked, or what is left of the context when not asked."""
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"max_tokens must be at least 1 (got {max_tokens})", "max_tokens")
     if num_prompt_tokens >= max_model_len:
         raise bad_request(
             f"prompt has {num_prompt_tokens} tokens; this model's context is {max_model_len} tokens "
@@ -191,9 +193,14 @@ def sampling_params_for(
     max_model_len: int,
     tokenizer: Tokenizer | None,
 ) -> SamplingParams:
-    """The request's SamplingParams, with a max_tokens every prompt's context has room for."""
+    """The request's SamplingParams, with a max_tokens every prompt's context has room for. Chat's
+    deprecated `max_tokens`, given beside `max_completion_tokens`, is unused but must fit too (the
+    OpenAPI document bounds both)."""
+    num_tokens = max(len(ids) for ids in prompts)
+    for unused in body.unused_max_tokens():
+        token_budget(num_tokens, unused, max_model_len)
     max_tokens = body.requested_max_tokens()
-    params = body.sampling_params(min(token_budget(len(ids), max_tokens, max_model_len) for ids in prompts))
+    params = body.sampling_params(token_budget(num_tokens, max_tokens, max_model_len))
     if params.stop:
         require_tokenizer(tokenizer, "stop strings")
     check_token_ids(params.stop_token_ids, tokenizer, "stop_token_ids")

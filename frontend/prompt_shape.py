@@ -15,6 +15,7 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, Field, PlainValidator, Strict, TypeAdapter, ValidationError
 
 from frontend.request_counts import MAX_PROMPTS
+from frontend.schema_bounds import PROMPT_CHARS, TOKEN_ID, documented
 
 INT32_MAX = 2**31 - 1  # the largest value of a protobuf int32 field (top_k, token ids, max_tokens ...)
 
@@ -29,12 +30,14 @@ def integral(value: Any) -> Any:
 
 # The bounds first, the validator after: so the schema says minimum/maximum (pydantic writes a
 # constraint outside a validated type as `ge`/`le`, which JSON Schema does not know).
-TokenId = Annotated[int, Field(ge=0, le=INT32_MAX), BeforeValidator(integral)]
-# The schema says what `valid_prompt` enforces: nothing empty; and what the raw count check
-# does: a list of prompts holds at most MAX_PROMPTS.
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX), BeforeValidator(integral), documented(bound=TOKEN_ID)]
+Text = Annotated[str, Field(min_length=1), documented(bound=PROMPT_CHARS)]
+# The schema says what `valid_prompt` enforces: nothing empty; what the raw count check does: a
+# list of prompts holds at most MAX_PROMPTS; and what the gateway serves: texts within its
+# character limit, ids within its vocabulary (frontend.schema_bounds).
 PromptShapes = (
-    Annotated[str, Field(min_length=1)]
-    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
+    Text
+    | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
     | Annotated[list[TokenId], Field(min_length=1)]
     | Annotated[
         list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)

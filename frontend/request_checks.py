@@ -27,6 +27,13 @@ logger = logging.getLogger(__name__)
 MAX_LOGGED_FIELDS = 8  # names in the one warning line per request
 MAX_LOGGED_NAME_CHARS = 40  # characters of each name, escaped
 MAX_WALKED_NODES = 1024  # values the surrogate search visits one by one before one pass in C
+ASKS_FOR_NOTHING: tuple[Any, ...] = (
+    None,
+    False,
+    "",
+    [],
+    {},
+)  # what a refused field may hold besides its `allowed`
 _NO_TEXT = frozenset({int, float, bool, type(None)})  # JSON values that hold no string
 
 
@@ -100,11 +107,21 @@ def check_raw_request(
         )
     for name, refusal in REFUSED_FIELDS.items():
         value = raw.get(name)
-        if value in (None, False, "", [], {}) or value in refusal.allowed:
+        if any(json_equal(value, nothing) for nothing in (*ASKS_FOR_NOTHING, *refusal.allowed)):
             continue
         allowed = ", ".join(repr(v) for v in refusal.allowed)
         hint = f"leave it out{f' or send {allowed}' if allowed else ''}"
         raise bad_request(f"{name} is not supported: {refusal.why}; {hint}", name)
+
+
+def json_equal(a: Any, b: Any) -> bool:
+    """Equal as JSON values: numbers by value (1 and 1.0), but a boolean only to a boolean (Python
+    has `0 == False`; JSON Schema's `enum` does not)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    return type(a) is type(b) and a == b
 
 
 class WalkTooLong(Exception):
