@@ -107,7 +107,9 @@ def check_raw_request(
         )
     for name, refusal in REFUSED_FIELDS.items():
         value = raw.get(name)
-        if any(json_equal(value, nothing) for nothing in (*ASKS_FOR_NOTHING, *refusal.allowed)):
+        if value is None or any(
+            json_equal(value, nothing) for nothing in (*ASKS_FOR_NOTHING, *refusal.allowed)
+        ):
             continue
         allowed = ", ".join(repr(v) for v in refusal.allowed)
         hint = f"leave it out{f' or send {allowed}' if allowed else ''}"
