@@ -21,7 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
+from frontend.http_protocol import ConnectionLimits
+from frontend.settings import GatewaySettings
+from splitserve.config import ConfigError, default_config, parse_config
 from tests.frontend.conftest import Gateway, running_gateway
 from tests.frontend.fakes import Script
 
@@ -241,3 +245,26 @@ def read_until_first_line(sock: socket.socket) -> bytes:
             break
         data += chunk
     return data
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("header_read_timeout_s", 0),
+        ("body_read_timeout_s", -1),
+        ("request_read_timeout_s", "soon"),
+        ("keep_alive_timeout_s", 0),
+        ("max_connections_per_client", 0),
+    ],
+)
+def test_a_bad_connection_limit_is_one_clear_config_error(key: str, value: object):
+    with pytest.raises(ConfigError, match=f"gateway.{key}"):
+        parse_config({"gateway": {key: value}})
+    with pytest.raises(ValidationError, match=key):
+        GatewaySettings(**{key: value})
+
+
+def test_the_connection_limits_are_listed_with_the_default_config():
+    listed = default_config().to_yaml()
+    for key in ConnectionLimits.__dataclass_fields__:
+        assert f"  {key}: " in listed
