@@ -131,7 +131,7 @@ class GatewayH11Protocol(H11Protocol):
         self.on_refusal = config.on_refusal
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at_s = math.inf
-        self._idle_since_s = 0.0  # the connection's opening (uvicorn's keep-alive timer times the rest)
+        self._idle_since_s = 0.0  # the connection's opening, or the end of its last answer
         self._request_start_s = 0.0  # the first byte of the request being read
         self._last_read_s = 0.0
         self._head_started = False  # bytes of the next request's head have arrived
@@ -178,6 +178,10 @@ class GatewayH11Protocol(H11Protocol):
         elif not self._head_started:  # a body that came in after its answer just ended: idle now
             self._idle_since_s = now
         self._arm()
+
+    def on_response_complete(self) -> None:
+        self._idle_since_s = self.loop.time()  # a pending timer then counts idleness from here
+        super().on_response_complete()
 
     # Read deadlines --------------------------------------------------------------------------
 

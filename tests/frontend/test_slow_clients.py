@@ -158,6 +158,37 @@ def test_a_connection_idle_after_its_response_is_closed_after_the_keep_alive_tim
     assert raw.startswith(b"HTTP/1.1 200 ") and raw.count(b"HTTP/1.1") == 1  # the answer, then a quiet close
 
 
+def test_a_connection_kept_busy_is_not_closed_as_idle(gateway: Gateway):
+    """Requests spaced well inside the keep-alive timeout, for longer than every deadline: the
+    connection serves them all (idleness counts from the last answer, not from the opening)."""
+    with connected(gateway) as sock:
+        for _ in range(round(3 * (HEADER_READ_TIMEOUT_S + KEEP_ALIVE_TIMEOUT_S) / TRICKLE_EVERY_S)):
+            sock.sendall(HEALTH)
+            assert read_one_response(sock).startswith(b"HTTP/1.1 200 ")
+            readable, _, _ = select.select([sock], [], [], TRICKLE_EVERY_S)  # the server says nothing
+            assert not readable, "the server closed a connection in use"
+
+
+def read_one_response(sock: socket.socket) -> bytes:
+    """One whole response (headers and a Content-Length body)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(
+        next(
+            line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+        )
+    )
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection"
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
 def test_a_request_the_app_takes_long_to_answer_is_not_cut_off(gateway: Gateway):
     """Deadlines bound reading a request, not the app's work on it."""
     gateway.decode.hold_reserve = hold = threading.Event()
