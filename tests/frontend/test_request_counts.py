@@ -9,6 +9,7 @@ a profiler). The event loop's longest block is printed by the million-prompt tes
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import sys
 from pathlib import Path
@@ -57,11 +58,16 @@ def _post_counting_calls(app: FastAPI, path: str, body: dict[str, Any]) -> tuple
 
     async def post() -> httpx.Response:
         async with _client(app) as http:
+            # No collection while counting: it runs finalizers and gc.callbacks (hypothesis installs
+            # one), Python calls that depend on what earlier tests left, not on this request.
+            gc.collect()
+            gc.disable()
             sys.setprofile(profile)
             try:
                 return await http.post(path, content=content, headers={"content-type": "application/json"})
             finally:
                 sys.setprofile(None)
+                gc.enable()
 
     return asyncio.run(post()), num_calls
 
