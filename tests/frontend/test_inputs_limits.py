@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -120,6 +121,59 @@ def test_a_prompt_over_the_character_limit_is_a_400_and_never_tokenized(
     assert at_limit.status_code in (200, 400) and tokenize_calls  # tokenized: within the limit
     if at_limit.status_code == 400:
         assert "characters" not in at_limit.json()["error"]["message"]
+
+
+# A chat template that shows each message's name and `reasoning_content`, and a `persona` argument.
+SHOWING_TEMPLATE = (
+    "{%- if persona -%}<|im_system|>{{ persona }}<|im_end|>{%- endif -%}"
+    "{%- for m in messages -%}<|im_user|>{{ m['role'] }}{% if m.name %} {{ m.name }}{% endif %}"
+    "{% if m.reasoning_content %} {{ m.reasoning_content }}{% endif %}<|im_middle|>{{ m['content'] }}"
+    "<|im_end|>{%- endfor -%}<|im_assistant|>assistant<|im_middle|>"
+)
+
+
+@pytest.fixture(scope="module")
+def showing_gateway(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    folder = tmp_path_factory.mktemp("showing-template")
+    shutil.copy(tiny_model_path / "tokenizer.json", folder)
+    config = json.loads((tiny_model_path / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": SHOWING_TEMPLATE}))
+    script = Script(Tokenizer(folder).encode(SCRIPT_TEXT, add_special_tokens=False))
+    with running_gateway(folder, script, max_prompt_chars=MAX_PROMPT_CHARS) as gw:
+        yield gw
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"messages": [{"role": "user", "content": "hi", "name": "n" * MAX_PROMPT_CHARS}]},
+        {"messages": [{"role": "user", "content": "hi", "reasoning_content": "r" * MAX_PROMPT_CHARS}]},
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "chat_template_kwargs": {"persona": "p" * MAX_PROMPT_CHARS},
+        },
+    ],
+    ids=["name", "extra field", "template argument"],
+)
+def test_the_character_limit_counts_what_the_chat_template_renders(
+    showing_gateway: Gateway, tokenize_calls: list[str], extra: dict
+):
+    with showing_gateway.http() as http:
+        response = http.post("/v1/chat/completions", json={"max_tokens": 1, **extra})
+    error = _error(response, 400)
+    assert error["param"] == "messages" and f"at most {MAX_PROMPT_CHARS}" in error["message"]
+    assert "as the template renders them" in error["message"]
+    assert tokenize_calls == []
+
+
+def test_what_the_chat_template_does_not_render_is_not_counted(
+    showing_gateway: Gateway, tokenize_calls: list[str]
+):
+    message = {"role": "user", "content": "hi", "unshown": "u" * (4 * MAX_PROMPT_CHARS)}
+    with showing_gateway.http() as http:
+        response = http.post("/v1/chat/completions", json={"messages": [message], "max_tokens": 1})
+    assert response.status_code == 200, response.text
+    assert len(tokenize_calls) == 1 and "u" * 10 not in tokenize_calls[0]
 
 
 def test_the_default_character_limit_follows_the_context():
