@@ -192,6 +192,22 @@ def test_the_limits_reach_the_gateway_from_the_cluster_config():
     assert default.max_request_bytes == 8 * 2**20 and default.max_prompt_chars is None
 
 
+def test_the_connection_limits_reach_the_gateway_from_the_cluster_config():
+    keys = {
+        "header_read_timeout_s": 7.5,
+        "body_read_timeout_s": 3,
+        "request_read_timeout_s": 60,
+        "keep_alive_timeout_s": 2,
+        "max_connections_per_client": None,
+    }
+    settings = GatewaySettings(
+        **gateway_settings_kwargs(ClusterConfig.model_validate({"gateway": keys}), None)
+    )
+    assert {key: getattr(settings, key) for key in keys} == keys
+    default = GatewaySettings(**gateway_settings_kwargs(ClusterConfig(), None))
+    assert default.max_connections_per_client == GatewaySettings().max_connections_per_client == 1024
+
+
 def test_unknown_field_names_are_logged_once_escaped_and_bounded(
     gateway: Gateway, caplog: pytest.LogCaptureFixture
 ):
