@@ -9,6 +9,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from deploy.actors import gateway_settings_kwargs
+from deploy.members import bundle_of
 from frontend.settings import GatewaySettings
 from splitserve.config import (
     ClusterConfig,
@@ -159,6 +160,27 @@ def test_every_key_is_described_in_the_deploy_readme(section):
         ]
     missing = [key for key in keys if f"`{key}`" not in readme]
     assert not missing, f"deploy/README.md does not describe {missing}"
+
+
+def test_a_pools_custom_resources_go_into_its_bundle(tmp_path):
+    config = load_config(
+        write(tmp_path, "decode: {num_cpus: 2, resources: {decode_host: 1, 'node:10.0.0.2': 0.5}}")
+    )
+    assert config.prefill.resources == {}
+    assert bundle_of(config.decode) == {"CPU": 2.0, "decode_host": 1.0, "node:10.0.0.2": 0.5}
+
+
+@pytest.mark.parametrize(
+    ("resources", "message"),
+    [
+        ("{CPU: 2}", "decode.resources: 'CPU' is not a custom resource: set num_cpus instead"),
+        ("{GPU: 1}", "decode.resources: 'GPU' is not a custom resource: set num_gpus instead"),
+        ("{decode_host: 0}", "decode.resources: each resource needs a name and an amount above 0"),
+        ("{decode_host: many}", "decode.resources.decode_host: Input should be a valid number"),
+    ],
+)
+def test_bad_custom_resources_are_refused_naming_the_key(tmp_path, resources, message):
+    assert message in error_of(tmp_path, f"decode: {{resources: {resources}}}")
 
 
 def test_tensor_parallel_above_one_is_not_supported_yet(tmp_path):
