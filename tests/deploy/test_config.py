@@ -9,6 +9,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from deploy.actors import gateway_settings_kwargs
+from deploy.launcher import required_resources
 from deploy.members import bundle_of
 from frontend.settings import GatewaySettings
 from splitserve.config import (
@@ -168,6 +169,12 @@ def test_a_pools_custom_resources_go_into_its_bundle(tmp_path):
     )
     assert config.prefill.resources == {}
     assert bundle_of(config.decode) == {"CPU": 2.0, "decode_host": 1.0, "node:10.0.0.2": 0.5}
+
+
+def test_a_local_ray_is_sized_for_the_pools_custom_resources_too(tmp_path):
+    config = load_config(write(tmp_path, "decode: {replicas: 2, resources: {decode_host: 1.5}}"))
+    # gateway 0.25 + store 0.25 + prefill 1 + 2 decode x 1 CPUs; the local Ray `up` starts has these
+    assert required_resources(config) == {"CPU": 3.5, "GPU": 0.0, "decode_host": 3.0}
 
 
 @pytest.mark.parametrize(
