@@ -110,6 +110,8 @@ class HealthWatcher:
         return None
 
     async def _restart(self, member: Member, reason: str) -> None:
+        if member.kind == "store" and self._dropped(member):
+            return
         member.healthy, member.error = False, reason
         self._starter.kill(member)
         now_s, window_s = time.monotonic(), self._config.restart_window_s
@@ -132,6 +134,13 @@ class HealthWatcher:
             self._starter.kill(member)
             member.healthy, member.error = False, f"{reason}; restart failed: {cause(exc)}"
             logger.error("%s %d: %s", member.kind, member.index, member.error)
+            if member.kind == "store":  # Ray may have found its node dead meanwhile
+                self._dropped(member)
+
+    def _dropped(self, store: Member) -> bool:
+        """Drop the stores of lost nodes; whether `store` was one of them."""
+        self._drop_stores_of_lost_nodes()
+        return self._roster.stores.get(store.node_id or "") is not store
 
 
 def stuck_engine(stats: dict[str, Any], timeout_s: float) -> str | None:
