@@ -74,6 +74,7 @@ class TwoHostDeployment:
     worker: Host
     env: dict[str, str]
     uds: str
+    transfer_engine: str  # store.transfer_engine
 
     def status(self) -> dict[str, Any]:
         """`splitserve status --json` run on the head host (it exits 1 while something is down)."""
@@ -124,9 +125,8 @@ def deployment(request: pytest.FixtureRequest, model_path: Path) -> Iterator[Two
                     text=True,
                 )
                 assert relay.stdout is not None and relay.stdout.readline().strip() == "ready"
-                yield TwoHostDeployment(
-                    head, worker, {**env, "SPLITSERVE_RUNTIME_DIR": str(work / "runtime")}, uds
-                )
+                runtime = {**env, "SPLITSERVE_RUNTIME_DIR": str(work / "runtime")}
+                yield TwoHostDeployment(head, worker, runtime, uds, engine)
             finally:
                 up.stop()
                 holder.kill()
@@ -194,10 +194,11 @@ def test_tokens_equal_the_offline_engine_and_the_state_crossed_to_the_worker_hos
     assert tokens == [list(out.outputs[0].token_ids) for out in outputs]
     num_handoffs = sum(p["max_tokens"] > 1 for p in PARAMS)
 
-    def read_from_the_head() -> dict[str, Any] | None:  # a store's stats are as of the last health pass
+    def read_from_the_head() -> dict[str, Any] | None:  # stats are as of the last health pass
         status = deployment.status()
         done = _store_on(status, head)["stats"].get("num_releases", 0) >= releases[head] + num_handoffs
-        return status if done else None
+        seen = _workers(status, "decode")[0]["stats"].get("cross_node_transport")
+        return status if done and seen else None
 
     after = wait_until(
         read_from_the_head, timeout_s=60, what="the head's store to free the handed-off states"
@@ -205,6 +206,9 @@ def test_tokens_equal_the_offline_engine_and_the_state_crossed_to_the_worker_hos
     # each state was read once, from the prefill's store on the head, by the decode worker across the link
     assert _store_on(after, head)["stats"]["num_releases"] == releases[head] + num_handoffs
     assert _store_on(after, worker)["stats"].get("num_releases", 0) == releases[worker]
+    # and as gRPC bytes, or pulled through the stores' transfer engine
+    expected = "grpc" if deployment.transfer_engine == "none" else deployment.transfer_engine
+    assert _workers(after, "decode")[0]["stats"]["cross_node_transport"] == expected
 
 
 def test_losing_the_worker_host_brings_decode_back_on_the_head_and_every_request_completes(
