@@ -6,15 +6,21 @@ added before the loss (the head has none)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import ray
 from ray.cluster_utils import Cluster
+from ray.util.placement_group import placement_group, remove_placement_group
 
+from deploy import placement
+from deploy import starter as starter_module
 from deploy.launcher import run_cluster
-from deploy.placement import HEAD_NODE_RESOURCE
+from deploy.members import Member, Pool, Roster
+from deploy.placement import HEAD_NODE_RESOURCE, NodeIps
+from deploy.starter import ActorStarter
 from tests.deploy.conftest import two_node_cluster
 from tests.deploy.fakes import FAKE_CLASSES, REGISTRY_NAME, REGISTRY_NAMESPACE, Registry
 from tests.deploy.helpers import small_config, wait_until
@@ -66,3 +72,45 @@ def test_a_lost_nodes_decode_worker_comes_back_on_a_spare_node_beside_its_store(
         assert last_construct[2] == stores[spare.node_id] and last_construct[4] == spare.node_id
         told = [e for e in events if e[0] == "update_workers"][-1]
         assert told[2] == [_decode(status)["address"]]
+
+
+def test_a_worker_that_lands_off_the_node_whose_store_it_was_given_is_started_again_beside_the_right_one(
+    ray_cluster, registry, monkeypatch
+):
+    """As when a node is lost after its bundle's place was read but before Ray marked it dead: the
+    worker was given that node's store, and Ray created it where the bundle went. Here the first
+    reading of the bundle's place names the other node (the bundle is on the head)."""
+    nodes = ray_cluster.list_all_nodes()  # the head first
+    head, other = nodes[0].node_id, nodes[1].node_id
+    group = placement_group([{"CPU": 0.5, HEAD_NODE_RESOURCE: 0.001}])
+    ray.get(group.ready(), timeout=60)
+    readings = iter([other])
+
+    async def placed_node(member: Member, wait_s: float) -> str:
+        return next(readings, None) or await placement.placed_node(member, wait_s)
+
+    monkeypatch.setattr(starter_module, "placed_node", placed_node)
+    config = small_config()
+    roster = Roster(pools={"decode": Pool(name="decode", role="decode", section=config.decode)})
+    starter = ActorStarter(config, roster, NodeIps(), FAKE_CLASSES, cluster_token="t")
+    worker = Member(kind="decode", index=0, pool="decode", group=group, bundle_index=0)
+    try:
+        asyncio.run(_started(starter, worker))
+        constructed = [e for e in ray.get(registry.get_events.remote()) if e[:2] == ("construct", "decode")]
+        assert [(e[2], e[4]) for e in constructed] == [
+            (roster.stores[other].address, head),  # given the other node's store: not started
+            (roster.stores[head].address, head),
+        ]
+        assert worker.node_id == head and worker.healthy
+        assert [e for e in ray.get(registry.get_events.remote()) if e[:2] == ("start", "decode")] == [
+            ("start", "decode", worker.address, head)
+        ]
+    finally:
+        for member in [worker, *roster.stores.values()]:
+            starter.kill(member)
+        remove_placement_group(group)
+
+
+async def _started(starter: ActorStarter, worker: Member) -> None:
+    await starter.prepare()
+    await starter.start_worker(worker)
