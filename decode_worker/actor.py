@@ -50,6 +50,8 @@ class DecodeWorkerActor(WorkerActorBase):
     def stats(self) -> dict[str, Any]:
         out = super().stats()
         out["worker_id"] = self.worker_id  # the owner of the state it keeps in its store
+        if self.servicer is not None:
+            out["cross_node_transport"] = self.servicer.cross_node_transport
         if self.replay_publisher is not None:  # what keeping state for failover costs
             out["replay"] = dataclasses.asdict(self.replay_publisher.stats)
         if self.swap_space is not None:
