@@ -14,15 +14,32 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from splitserve.engine.state_transfer import LayerState
 from splitserve.state import DEFAULT_CHUNK_BYTES, Chunk, ChunkMeta, CorruptStateError, StateKind, make_chunks
-from splitserve.state.streams import PutStream
+
+
+class PieceSink(Protocol):
+    """Where `write_host_state` queues a tensor's bytes: the store client's `PutStream` (a worker
+    owns it; the engine never imports gRPC), or a test's fake."""
+
+    def write_state(
+        self,
+        layer: int,
+        kind: StateKind | str,
+        data: memoryview,
+        *,
+        dtype: str,
+        shape: Sequence[int],
+        token_start: int,
+        token_end: int,
+        num_tokens: int | None = None,
+    ) -> None: ...
 
 
 def encode(state: LayerState, key: str, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[Chunk]:
@@ -45,7 +62,7 @@ def encode(state: LayerState, key: str, max_chunk_bytes: int = DEFAULT_CHUNK_BYT
         yield Chunk(meta, chunk.data)
 
 
-def write_host_state(put: PutStream, state: LayerState) -> torch.Tensor:
+def write_host_state(put: PieceSink, state: LayerState) -> torch.Tensor:
     """Queue a CPU `state` on `put` (`PutStream.write_state`: into the store's arena on its node,
     else as bytes); returns the contiguous tensor the put reads in place, to keep until `finish`."""
     tensor = state.tensor.detach().contiguous()  # no copy for the fresh copies states already are
@@ -140,7 +157,7 @@ def _check_continues(parts: list[Chunk], meta: ChunkMeta) -> None:
         )
 
 
-def _view(data: bytes, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+def _view(data: bytes | memoryview, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
     """`data` as a tensor without a copy (read-only memory: torch warns it would be unsafe to write)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)

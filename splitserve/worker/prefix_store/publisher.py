@@ -21,12 +21,14 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from splitserve.engine.engine_loop import EngineLoop
-from splitserve.engine.prefix_cache.retained import RetainedPrefix
-from splitserve.engine.prefix_store.prefill_yield import PrefillYield
-from splitserve.engine.state_codec import write_host_state
 from splitserve.state.client import StateStoreClient
+from splitserve.worker.prefix_store.prefill_yield import PrefillYield
+
+if TYPE_CHECKING:
+    from splitserve.engine.engine_loop import EngineLoop
+    from splitserve.engine.prefix_cache.retained import RetainedPrefix
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +179,10 @@ class PrefixPublisher:
         """Stores and seals every piece of `prefix` under `key`; returns its bytes. On this node
         the pieces go into the store's shared-memory arena (one copy, and a fetch on the node
         reads them in place); else as bytes over gRPC."""
+        from splitserve.engine.state_codec import (
+            write_host_state,  # the engine's side (the package docstring)
+        )
+
         num_bytes = sum(state.num_bytes for state in prefix.states)
         # warm_next: the publisher puts after every retained prefix, so each put starts on a call
         # (and gRPC's request-consuming thread) opened when the previous put was acknowledged,
