@@ -13,7 +13,7 @@ from splitserve.worker.actor_base import WorkerActorBase
 if TYPE_CHECKING:  # the engine side is imported where the actor runs, not where it is named
     from decode_worker.replay_publisher import ReplayStorePublisher
     from decode_worker.swap_space import StoreSwapSpace
-    from splitserve.engine.prefix_store.publisher import PrefixPublisher
+    from splitserve.worker.prefix_store.publisher import PrefixPublisher
 
 
 class DecodeWorkerActor(WorkerActorBase):
@@ -28,8 +28,8 @@ class DecodeWorkerActor(WorkerActorBase):
         from decode_worker.replay_publisher import ReplayStorePublisher
         from decode_worker.servicer import DecodeServicer
         from decode_worker.swap_space import attach_store_swap_space
-        from splitserve.engine.prefix_store.publisher import PrefixPublisher
         from splitserve.v1 import decode_pb2_grpc
+        from splitserve.worker.prefix_store.publisher import PrefixPublisher
 
         if not self.store_address:
             raise ValueError("a decode worker needs the address of its node's state store")
