@@ -72,6 +72,8 @@ class HealthWatcher:
 
     def _drop_stores_of_lost_nodes(self) -> None:
         stores = self._roster.stores
+        if not stores:
+            return  # nothing to drop: no need to ask Ray which nodes live
         lost = set(stores) - live_node_ids()
         for node_id in lost:
             store = stores.pop(node_id)
