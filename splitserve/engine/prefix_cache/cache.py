@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from splitserve.engine.cache_pool import copy_kv_rows
 from splitserve.engine.cache_spec import CachePlan
 from splitserve.engine.model.kimi_linear import LayerCaches
 from splitserve.engine.prefix_cache.block_pool import CachingBlockAllocator
@@ -193,7 +194,7 @@ class PrefixCache:
             self.blocks.share([partial])  # held while allocating, so eviction cannot reuse it
             got = self.blocks.allocate(1)
             if got is not None:
-                self._copy_rows(partial, got[0], hit.num_tokens % bs)
+                copy_kv_rows(self.caches, partial, got[0], hit.num_tokens % bs, bs)
                 request.block_table.append(got[0])
             self.blocks.free([partial])
             if got is None:
@@ -204,11 +205,6 @@ class PrefixCache:
         self.snapshots.load(hit.snapshot_key, request.state_slot)
         request.num_computed_tokens = hit.num_tokens
         return True
-
-    def _copy_rows(self, src: int, dst: int, num_rows: int) -> None:
-        bs = self.block_size
-        for kv in self.caches.mla_kv.values():
-            kv[dst * bs : dst * bs + num_rows].copy_(kv[src * bs : src * bs + num_rows])
 
     def _import(self, request: Request, imported: ImportedPrefix, num_hit: int) -> bool:
         """Scatter an imported prefix into the request's blocks and slot, then keep it like our own.
