@@ -2,7 +2,7 @@
 in `frontend.openai_responses`, re-exported here).
 
 Requests follow OpenAI's fields plus vLLM's sampling extras. Fields OpenAI or vLLM define that
-this gateway cannot honour (`echo`, `best_of > 1`, `logit_bias`, `suffix`, tools, and the table in
+this gateway cannot honour (`echo`, streamed `best_of > n`, `logit_bias`, `suffix`, tools, and the table in
 `frontend.request_checks`) are rejected with a 400 rather than silently ignored; fields nobody
 defines are ignored with a warning, as vLLM does. Integers bound for an int32 protobuf field are
 bounded here, so none can overflow on the way to a worker.
@@ -37,7 +37,7 @@ from frontend.openai_responses import (
 )
 from frontend.prompt_shape import INT32_MAX, Prompt, integral
 from frontend.request_checks import check_raw_request, log_unknown_fields
-from splitserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from splitserve.sampling_params import MAX_LOGPROBS, MAX_SAMPLES, SamplingParams
 
 # The bounds first, the validator after: so the schema says minimum/maximum (pydantic writes a
 # constraint outside a validated type as `ge`/`le`, which JSON Schema does not know).
@@ -68,7 +68,7 @@ class _Request(BaseModel):
     max_tokens: Int32 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: Int32 = Field(1, json_schema_extra={"enum": [1]})  # the schema names the one value served
+    n: Annotated[int, Field(ge=1, le=MAX_SAMPLES), BeforeValidator(integral)] = 1  # from one prefill
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -123,10 +123,13 @@ class _Request(BaseModel):
                 "stop",
             )
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, best_of: int | None = None
+    ) -> SamplingParams:
         try:
             return SamplingParams(
                 n=self.n,
+                best_of=best_of,
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=0 if self.top_k is None else self.top_k,
@@ -162,7 +165,7 @@ class CompletionRequest(_Request):
     max_tokens: Int32 | None = 16
     logprobs: Int32 | None = None
     echo: bool = Field(False, json_schema_extra={"enum": [False]})
-    best_of: Int32 | None = Field(None, json_schema_extra={"enum": [1, None]})
+    best_of: Annotated[int, Field(ge=1, le=MAX_SAMPLES), BeforeValidator(integral)] | None = None
     suffix: str | None = Field(None, json_schema_extra={"maxLength": 0})
 
     def prompts(self) -> list[str] | list[list[int]]:
@@ -182,11 +185,11 @@ class CompletionRequest(_Request):
         self._reject_unsupported()
         if self.echo:
             raise bad_request("echo is not supported", "echo")
-        if self.best_of not in (None, 1):
-            raise bad_request(f"best_of must be 1 (got {self.best_of})", "best_of")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise bad_request("best_of > n cannot be streamed (the best are known at the end)", "best_of")
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
-        return self._sampling_params(max_tokens, self.logprobs)
+        return self._sampling_params(max_tokens, self.logprobs, self.best_of)
 
 
 class ChatMessage(BaseModel):

@@ -14,9 +14,8 @@ import pytest
 
 from deploy.launcher import run_cluster
 from splitserve import LLM, SamplingParams
-from splitserve.config import parse_config
 from splitserve.tiny_model import make_tiny_model
-from tests.e2e.helpers import MODEL, TOKEN_IDS, openai_client, token_ids
+from tests.e2e.helpers import MODEL, TOKEN_IDS, cluster_config, openai_client, token_ids
 
 PREFIX_UNIT = 32
 GREEDY = {"max_tokens": 8, "temperature": 0.0}
@@ -59,26 +58,10 @@ def offline(model_path, turns, repeated) -> dict[str, list[list[int]]]:
     return out
 
 
-def _config(model_path, mode: str):
-    pools = {"num_cpus": 0.5, "kv_cache_memory_bytes": "32MiB", "max_num_seqs": 8}
-    data = {
-        "model": {"path": str(model_path), "name": MODEL},
-        "mode": mode,
-        "gateway": {"port": 0},
-        "store": {"memory_bytes": "128MiB", "disk": {"path": None}},
-        "cache": {"prefix_unit": PREFIX_UNIT},
-        "health": {"interval_s": 1, "timeout_s": 30, "start_timeout_s": 300},
-    }
-    if mode == "disaggregated":
-        data["prefill"], data["decode"] = pools, pools
-    else:
-        data["prefill"], data["decode"] = pools, {"replicas": 0}
-    return parse_config(data)
-
-
 @pytest.fixture(scope="module", params=["disaggregated", "colocated"])
 def client(request, local_ray, model_path):
-    with run_cluster(_config(model_path, request.param)) as cluster:
+    config = cluster_config(model_path, request.param, cache={"prefix_unit": PREFIX_UNIT})
+    with run_cluster(config) as cluster:
         yield openai_client(cluster.gateway_url)
 
 
