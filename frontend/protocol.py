@@ -2,7 +2,7 @@
 in `frontend.openai_responses`, re-exported here).
 
 Requests follow OpenAI's fields plus vLLM's sampling extras. Fields OpenAI or vLLM define that
-this gateway cannot honour (`echo`, `best_of > 1`, `logit_bias`, `suffix`, tools, and the table in
+this gateway cannot honour (`echo`, streamed `best_of > n`, `logit_bias`, `suffix`, tools, and the table in
 `frontend.request_checks`) are rejected with a 400 rather than silently ignored; fields nobody
 defines are ignored with a warning, as vLLM does. Integers bound for an int32 protobuf field are
 bounded here, so none can overflow on the way to a worker.
@@ -51,7 +51,7 @@ from frontend.schema_bounds import (
     documented,
     state_request_limits,
 )
-from splitserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from splitserve.sampling_params import MAX_LOGPROBS, MAX_SAMPLES, SamplingParams
 
 # The bounds first, the validator after: so the schema says minimum/maximum (pydantic writes a
 # constraint outside a validated type as `ge`/`le`, which JSON Schema does not know).
@@ -92,7 +92,7 @@ class _Request(BaseModel):
     max_tokens: MaxTokens | None = None
     temperature: Annotated[float, documented(minimum=0)] | None = None
     top_p: Annotated[float, documented(exclusiveMinimum=0, maximum=1)] | None = None
-    n: Int32 = Field(1, json_schema_extra={"enum": [1]})  # the schema names the one value served
+    n: Annotated[int, Field(ge=1, le=MAX_SAMPLES), BeforeValidator(integral)] = 1  # from one prefill
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = None
@@ -160,10 +160,13 @@ class _Request(BaseModel):
                 "stream_options.continuous_usage_stats",
             )
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, best_of: int | None = None
+    ) -> SamplingParams:
         try:
             return SamplingParams(
                 n=self.n,
+                best_of=best_of,
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=0 if self.top_k is None else self.top_k,
@@ -204,7 +207,7 @@ class CompletionRequest(_Request):
     max_tokens: MaxTokens | None = 16
     logprobs: NumLogprobs | None = None
     echo: bool = Field(False, json_schema_extra={"enum": [False]})
-    best_of: Int32 | None = Field(None, json_schema_extra={"enum": [1, None]})
+    best_of: Annotated[int, Field(ge=1, le=MAX_SAMPLES), BeforeValidator(integral)] | None = None
     suffix: str | None = Field(None, json_schema_extra={"maxLength": 0})
 
     def prompts(self) -> list[str] | list[list[int]]:
@@ -224,11 +227,11 @@ class CompletionRequest(_Request):
         self._reject_unsupported()
         if self.echo:
             raise bad_request("echo is not supported", "echo")
-        if self.best_of not in (None, 1):
-            raise bad_request(f"best_of must be 1 (got {self.best_of})", "best_of")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise bad_request("best_of > n cannot be streamed (the best are known at the end)", "best_of")
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
-        return self._sampling_params(max_tokens, self.logprobs)
+        return self._sampling_params(max_tokens, self.logprobs, self.best_of)
 
 
 class ChatMessage(BaseModel):

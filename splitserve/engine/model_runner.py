@@ -93,19 +93,23 @@ class ModelRunner:
             hidden = self.model(batch, self.caches)
         if not sampling:
             return StepResult({}, {})
-        rows = [
-            SamplingRow(s.request.params, s.request.prompt_token_ids, s.request.output_token_ids)
-            for s in sampling
+        # the other samples of a request draw their first token from its row (parallel_sampling.py)
+        drawing = [(i, s.request) for i, s in enumerate(sampling)]
+        drawing += [
+            (i, r) for i, s in enumerate(sampling) for r in s.request.samples_to_fork if not r.finished
         ]
+        rows = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids) for _, r in drawing]
         self.sampler.prepare(rows)  # seeded rows' host-drawn noise, while the forward runs on the device
         logits = self.model.compute_logits(hidden)
+        if len(drawing) > len(sampling):
+            logits = logits[torch.tensor([i for i, _ in drawing], dtype=torch.long, device=logits.device)]
         out = self.sampler(logits, rows)
-        ids = {s.request.request_id: t for s, t in zip(sampling, out.token_ids)}
+        ids = {r.request_id: t for (_, r), t in zip(drawing, out.token_ids)}
         lps: dict[str, dict[int, float]] = {}
         if out.logprobs is not None:
-            for s, lp in zip(sampling, out.logprobs):
+            for (_, r), lp in zip(drawing, out.logprobs):
                 if lp is not None:
-                    lps[s.request.request_id] = lp
+                    lps[r.request_id] = lp
         return StepResult(ids, lps)
 
     def _exporter(self, exporting: list[ScheduledRequest]) -> Callable[[int], None] | None:

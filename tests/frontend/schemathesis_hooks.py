@@ -18,6 +18,8 @@ INEXPRESSIBLE_REFUSALS = {
     "this model's context is": "prompt tokens plus max_tokens past the context: a text's token count is the tokenizer's",
     "as the template renders them": "the prompt the chat template renders is past gateway.max_prompt_chars: a sum over messages, markup included",
     "must not exceed max_tokens": "min_tokens above max_tokens: JSON Schema compares no field with another",
+    "best_of must be in [n,": "best_of below n: JSON Schema compares no field with another",
+    "best_of > n cannot be streamed": "best_of above n with stream: the best are known only at the end",
 }
 
 
