@@ -13,6 +13,7 @@ from splitserve.engine.cuda_graph import DecodeGraphs
 from splitserve.engine.cuda_graph_plan import DecodePadding
 from splitserve.engine.forward_batch import ForwardBatch, TokenGroup
 from splitserve.engine.host_pack import HostPack, block_tables, long_tensor
+from splitserve.engine.host_staging import to_device
 from splitserve.engine.model.kimi_linear import KimiLinearForCausalLM, LayerCaches
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler, SamplingRow
@@ -92,19 +93,23 @@ class ModelRunner:
             hidden = self.model(batch, self.caches)
         if not sampling:
             return StepResult({}, {})
-        rows = [
-            SamplingRow(s.request.params, s.request.prompt_token_ids, s.request.output_token_ids)
-            for s in sampling
+        # the other samples of a request draw their first token from its row (parallel_sampling.py)
+        drawing = [(i, s.request) for i, s in enumerate(sampling)]
+        drawing += [
+            (i, r) for i, s in enumerate(sampling) for r in s.request.samples_to_fork if not r.finished
         ]
+        rows = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids) for _, r in drawing]
         self.sampler.prepare(rows)  # seeded rows' host-drawn noise, while the forward runs on the device
         logits = self.model.compute_logits(hidden)
+        if len(drawing) > len(sampling):
+            logits = logits[torch.tensor([i for i, _ in drawing], dtype=torch.long, device=logits.device)]
         out = self.sampler(logits, rows)
-        ids = {s.request.request_id: t for s, t in zip(sampling, out.token_ids)}
+        ids = {r.request_id: t for (_, r), t in zip(drawing, out.token_ids)}
         lps: dict[str, dict[int, float]] = {}
         if out.logprobs is not None:
-            for s, lp in zip(sampling, out.logprobs):
+            for (_, r), lp in zip(drawing, out.logprobs):
                 if lp is not None:
-                    lps[s.request.request_id] = lp
+                    lps[r.request_id] = lp
         return StepResult(ids, lps)
 
     def _exporter(self, exporting: list[ScheduledRequest]) -> Callable[[int], None] | None:
@@ -126,7 +131,8 @@ class ModelRunner:
             # tokens a resumed request (decode failover) had already generated.
             n = req.num_tokens
             end = min(end, n)
-            rows = token_rows(req.block_table, end, self.block_size, start)
+            # on the device once (pinned, no stream sync), not from pageable memory per layer
+            rows = to_device(token_rows(req.block_table, end, self.block_size, start), self.device)
             jobs.append((req, rows, start, end, n, s.samples))
         mla = self.caches.mla_kv
 
