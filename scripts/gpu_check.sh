@@ -19,8 +19,9 @@
 #   hf          transformers' generate (with fla) against the engine, batch 1/16/64, one process
 #   kernels     each kernel against its torch reference; the MLA prefill kernel's tile shapes at 32k
 #   tests       the gpu-marked tests (kernels at real shapes, the tiny model on CUDA, CUDA graphs)
-#   cluster     `splitserve up --config deploy/configs/gpu-one.yaml` + `splitserve bench serve`: a slot
-#               for issue 24 item 5, skipped with a note until that config and its driver exist
+#   cluster     `splitserve up --config deploy/configs/gpu-one.yaml`: greedy tokens against the offline
+#               engine, `splitserve bench serve` random 512/128 at concurrency 16 and 64 (skipped, saying
+#               why, without Ray: its 79 MB wheel must be in the wheelhouse; --smoke: config check + plan)
 # Every stage has a time limit (cut to what the whole run's budget has left) and runs even when an
 # earlier one failed; each writes one JSON line to OUT/gpu_check.jsonl (status, seconds, limit, its
 # figures), the whole output goes to OUT/gpu_check.log too, and the summary table is printed last.
@@ -136,13 +137,10 @@ tests_stage() {
   # a test still running after 60 s prints every thread's stack (a hang says where it is)
   python3 -m pytest -q -m gpu -p no:cacheprovider -rs --durations=10 -o faulthandler_timeout=60 tests/engine
 }
-cluster_stage() {
-  if [ ! -f "$cluster_config" ]; then
-    echo "SKIP: $cluster_config is missing (issue 24 item 5 adds it and this stage's driver)"
-    return 3
-  fi
-  echo "SKIP: $cluster_config exists but this slot has no driver yet (issue 24 item 5)"
-  return 3
+cluster_stage() {  # experiments/gpu_cluster.py: exit 3 is "skipped" (no config, no Ray), with the reason
+  local smoke_flag=()
+  [ "$smoke" = 1 ] && smoke_flag=(--smoke)
+  python3 -m experiments.gpu_cluster --config "$cluster_config" "${dev[@]:0:2}" "${smoke_flag[@]}" --json "$1"
 }
 
 stage_command() {  # stage_command KEY FIGURES: run stage KEY, its figures to FIGURES
@@ -162,7 +160,7 @@ stage_command() {  # stage_command KEY FIGURES: run stage KEY, its figures to FI
     kernels) python3 -m experiments.gpu_throughput "${dev[@]}" --kernels-only --batch-sizes "$decode_batches" \
       --json "$fig" ;;
     tests) tests_stage ;;
-    cluster) cluster_stage ;;
+    cluster) cluster_stage "$fig" ;;
     *) echo "unknown stage $key" >&2; return 2 ;;
   esac
 }
