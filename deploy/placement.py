@@ -16,7 +16,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 
 from deploy.calls import call
 from deploy.members import Member, Pool, bundle_of
-from deploy.room import PlacementError, cluster_has
+from deploy.room import PlacementError, cluster_has, on_labels
 
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # every Ray head node has 1 of it
 
@@ -25,16 +25,20 @@ __all__ = ["HEAD_NODE_RESOURCE", "NodeIps", "PlacementError", "release_groups", 
 
 async def reserve(pool: Pool, count: int, wait_s: float) -> list[Member]:
     """Reserve `count` bundles for `pool` in one new placement group; add and return their members."""
-    bundle = bundle_of(pool.section)
-    group = placement_group([dict(bundle) for _ in range(count)], strategy=pool.section.placement)
+    bundle, labels = bundle_of(pool.section), dict(pool.section.node_labels)
+    group = placement_group(
+        [dict(bundle) for _ in range(count)],
+        strategy=pool.section.placement,
+        bundle_label_selector=[dict(labels) for _ in range(count)] if labels else None,
+    )
     try:
         await call(group.ready(), wait_s)
     except asyncio.TimeoutError:
         remove_placement_group(group)
         raise PlacementError(
-            f"pool {pool.name!r}: could not reserve {count} x {bundle} ({pool.section.placement}) "
-            f"within {wait_s:g} s; the Ray cluster has {cluster_has(bundle)}. Lower "
-            f"{pool.name}.replicas, num_cpus or num_gpus, free what else holds them, or add nodes."
+            f"pool {pool.name!r}: could not reserve {count} x {bundle}{on_labels(labels)} "
+            f"({pool.section.placement}) within {wait_s:g} s; the Ray cluster has {cluster_has(bundle)}. "
+            f"Lower {pool.name}.replicas, num_cpus or num_gpus, free what else holds them, or add nodes."
         ) from None
     pool.groups.append(group)
     nodes = placement_group_table(group)["bundles_to_node_id"]

@@ -98,6 +98,7 @@ class ActorStarter:
         worker.handle = cls.options(
             num_cpus=section.num_cpus,
             num_gpus=section.num_gpus,
+            resources=dict(section.resources),
             max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 worker.group, placement_group_bundle_index=worker.bundle_index

@@ -11,6 +11,8 @@ from splitserve.config.byte_size import ByteSize
 from splitserve.config.section import Section
 
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+# Resources Ray names itself: a pool asks for them through num_cpus and num_gpus, or not at all.
+_RAY_OWN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
 
 class PoolConfig(Section):
@@ -18,6 +20,11 @@ class PoolConfig(Section):
 
     The replicas of a pool share one Ray placement group per resize step, with `placement` as
     its strategy (PACK: fill nodes in turn; STRICT_SPREAD: one replica per node).
+
+    Placement a user controls: `resources` are Ray custom resources each replica's bundle
+    reserves besides its CPUs and GPUs (a node offers them with `ray start --resources`), and
+    `node_labels` are the Ray node labels its node must carry (`ray start --labels`), so a pool
+    can be put on one node type. `num_gpus` may be a fraction: workers then share a GPU.
     """
 
     replicas: int = Field(default=1, ge=0)
@@ -37,6 +44,40 @@ class PoolConfig(Section):
     # what `config plan` and `up` check the weights, cache and activations against (one GPU, or
     # the host's RAM for a CPU pool); None: the device visible where the plan is made
     device_memory_bytes: ByteSize | None = None
+    # Ray custom resources each replica's bundle reserves too, e.g. {prefill_node: 1}
+    resources: dict[str, float] = Field(default_factory=dict)
+    # Ray node labels the replica's node must carry, e.g. {node-type: h200} ("!x", "in(a,b)", "!in(a,b)" too)
+    node_labels: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources_only(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if name in _RAY_OWN_RESOURCES or name.startswith("node:"):
+                raise ValueError(
+                    f"{name!r} is Ray's own resource; resources names custom ones (those a node offers "
+                    "with `ray start --resources`): set CPUs and GPUs with num_cpus and num_gpus"
+                )
+            if not name or amount <= 0:
+                raise ValueError(f"each resource needs a name and an amount above 0 (got {name!r}: {amount})")
+        return value
+
+    @field_validator("node_labels")
+    @classmethod
+    def _named_labels(cls, value: dict[str, str]) -> dict[str, str]:
+        if any(not key or not label for key, label in value.items()):
+            raise ValueError(f"each node label needs a key and a value (got {value})")
+        return value
+
+    @field_validator("num_gpus")
+    @classmethod
+    def _one_gpu_at_most(cls, value: float) -> float:
+        if value > 1:  # tensor_parallel is 1 (below): one worker, one device
+            raise ValueError(
+                f"a worker runs on one GPU; give 1, or a fraction such as 0.5 to share one GPU "
+                f"between workers (got {value:g})"
+            )
+        return value
 
     @field_validator("tensor_parallel")
     @classmethod

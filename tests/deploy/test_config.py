@@ -299,3 +299,19 @@ def test_the_gateway_address_can_be_overridden_and_is_validated():
     assert with_gateway_address(config, host=None, port=None) is config
     with pytest.raises(ConfigError, match="--host/--port"):
         with_gateway_address(config, host=None, port=70000)
+
+
+def test_placement_keys_take_custom_resources_labels_and_gpu_fractions(tmp_path):
+    config = load_config(
+        write(
+            tmp_path, "prefill: {num_gpus: 0.5, resources: {prefill_node: 1}, node_labels: {node-type: h200}}"
+        )
+    )
+    assert (config.prefill.num_gpus, config.prefill.resources) == (0.5, {"prefill_node": 1.0})
+    assert config.prefill.node_labels == {"node-type": "h200"}
+    assert config.engine_config("prefill", model_path="m").device == "cuda"
+    assert "decode.num_gpus: a worker runs on one GPU" in error_of(tmp_path, "decode: {num_gpus: 2}")
+    message = error_of(tmp_path, "decode: {resources: {GPU: 1}}")
+    assert "decode.resources: 'GPU' is Ray's own resource" in message and "num_gpus" in message
+    assert "above 0" in error_of(tmp_path, "decode: {resources: {slot: 0}}")
+    assert "needs a key and a value" in error_of(tmp_path, "decode: {node_labels: {zone: ''}}")
