@@ -38,7 +38,7 @@ from deploy.local_deployments import (
 )
 from deploy.ray_connection import attach, ensure_auth_token, gcs_reachable, limit_shutdown_flush
 from frontend.server import GatewayBindError, bind_listening_socket
-from splitserve.config import ClusterConfig
+from splitserve.config import ClusterConfig, gateway_api_keys
 from splitserve.rpc_auth import cluster_token, new_cluster_token, set_cluster_token
 
 __all__ = ["ClusterError", "ClusterHandle", "fetch_status", "resize_pool", "run_cluster"]
@@ -272,6 +272,10 @@ def _connect(config: ClusterConfig, address: str | None, name: str) -> tuple[boo
         attach(target, namespace)
         return False, target
     check_local_model(config)
+    try:  # the local Ray inherits this environment: a variable or file of API keys missing here fails there
+        gateway_api_keys(config.gateway)
+    except ValueError as exc:
+        raise ClusterError(str(exc)) from None
     if config.gateway.port:  # the gateway will run here: say the port is taken before models load
         try:
             bind_listening_socket(config.gateway.host, config.gateway.port).close()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from splitserve.config.byte_size import ByteSize, format_bytes, parse_bytes
 from splitserve.config.cluster import ClusterConfig
-from splitserve.config.gateway import GatewayConfig
+from splitserve.config.gateway import GatewayConfig, gateway_api_keys
 from splitserve.config.health import HealthConfig
 from splitserve.config.loading import (
     ConfigError,
@@ -50,6 +50,7 @@ __all__ = [
     "StoreConfig",
     "default_config",
     "format_bytes",
+    "gateway_api_keys",
     "load_config",
     "parse_bytes",
     "parse_config",

@@ -1,8 +1,12 @@
-"""The `gateway` section: the OpenAI-compatible HTTP frontend."""
+"""The `gateway` section: the OpenAI-compatible HTTP frontend, and where its API keys come from."""
 
 from __future__ import annotations
 
-from pydantic import Field
+import os
+import re
+from pathlib import Path
+
+from pydantic import Field, model_validator
 
 from splitserve.config.byte_size import ByteSize
 from splitserve.config.section import Section
@@ -21,3 +25,51 @@ class GatewayConfig(Section):
     max_prompt_chars: int | None = Field(default=None, ge=1)
     # requests past the decode pool's room wait in a FIFO queue this long at most; past it, 429
     max_queued_requests: int = Field(default=1024, ge=0)
+    # the API keys from outside the file instead (at most one of api_keys, api_keys_env, api_keys_file):
+    # an environment variable of the head node's Ray, or a file there (gateway_api_keys reads them)
+    api_keys_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    api_keys_file: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one_source_of_api_keys(self) -> GatewayConfig:
+        given = [k for k in ("api_keys", "api_keys_env", "api_keys_file") if getattr(self, k)]
+        if len(given) > 1:
+            raise ValueError(f"gateway: give the API keys one way, not {' and '.join(given)}")
+        return self
+
+
+_KEY_SEPARATORS = re.compile(r"[\s,]+")
+
+
+def gateway_api_keys(gateway: GatewayConfig) -> tuple[str, ...]:
+    """The bearer tokens the gateway accepts: `api_keys`, or those read now from the variable
+    `api_keys_env` (separated by commas or whitespace) or the file `api_keys_file` (one a line;
+    blank lines and lines starting with # skipped), in this process's environment and filesystem.
+
+    Raises ValueError naming the variable or file (never a key) when it is unset, unreadable or
+    holds no key: an empty list would turn authentication off.
+    """
+    if gateway.api_keys_env:
+        name = gateway.api_keys_env
+        keys = tuple(k for k in _KEY_SEPARATORS.split(os.environ.get(name, "")) if k)
+        if not keys:
+            state = "is not set" if name not in os.environ else "holds no key"
+            raise ValueError(
+                f"gateway.api_keys_env: the variable {name} {state} in the environment of the process "
+                "that builds the gateway (the Ray head node's: set it where Ray was started)"
+            )
+        return keys
+    if gateway.api_keys_file:
+        path = Path(gateway.api_keys_file).expanduser()
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise ValueError(
+                f"gateway.api_keys_file: cannot read {path} ({exc.strerror or exc}); it must be on the "
+                "Ray head node, where the gateway is built"
+            ) from None
+        keys = tuple(line.strip() for line in lines if line.strip() and not line.strip().startswith("#"))
+        if not keys:
+            raise ValueError(f"gateway.api_keys_file: {path} holds no key (one a line)")
+        return keys
+    return gateway.api_keys

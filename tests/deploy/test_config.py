@@ -16,6 +16,7 @@ from splitserve.config import (
     PoolConfig,
     default_config,
     format_bytes,
+    gateway_api_keys,
     load_config,
     parse_bytes,
     parse_config,
@@ -315,3 +316,36 @@ def test_placement_keys_take_custom_resources_labels_and_gpu_fractions(tmp_path)
     assert "decode.resources: 'GPU' is Ray's own resource" in message and "num_gpus" in message
     assert "above 0" in error_of(tmp_path, "decode: {resources: {slot: 0}}")
     assert "needs a key and a value" in error_of(tmp_path, "decode: {node_labels: {zone: ''}}")
+
+
+def test_api_keys_come_from_a_variable_or_a_file_and_never_show_in_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("GATEWAY_KEYS", "k-one, k-two\nk-three")
+    from_env = parse_config({"gateway": {"api_keys_env": "GATEWAY_KEYS"}})
+    assert gateway_api_keys(from_env.gateway) == ("k-one", "k-two", "k-three")
+    assert gateway_settings_kwargs(from_env, None)["api_keys"] == ["k-one", "k-two", "k-three"]
+    assert "k-one" not in from_env.to_yaml()
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("# rotated weekly\nk-file\n\n  k-file-2  \n")
+    from_file = parse_config({"gateway": {"api_keys_file": str(keys_file)}})
+    assert gateway_api_keys(from_file.gateway) == ("k-file", "k-file-2")
+
+    monkeypatch.setenv("GATEWAY_KEYS", " , ")
+    with pytest.raises(ValueError, match="the variable GATEWAY_KEYS holds no key") as empty:
+        gateway_api_keys(from_env.gateway)
+    monkeypatch.delenv("GATEWAY_KEYS")
+    with pytest.raises(ValueError, match="the variable GATEWAY_KEYS is not set") as unset:
+        gateway_api_keys(from_env.gateway)
+    keys_file.write_text("# nothing yet\n")
+    with pytest.raises(ValueError, match="holds no key") as no_key:
+        gateway_api_keys(from_file.gateway)
+    keys_file.unlink()
+    with pytest.raises(ValueError, match=f"cannot read {keys_file}"):
+        gateway_api_keys(from_file.gateway)
+    assert not any("k-" in str(info.value) for info in (empty, unset, no_key))
+
+    assert "give the API keys one way, not api_keys and api_keys_env" in error_of(
+        tmp_path, "gateway: {api_keys: [a], api_keys_env: KEYS}"
+    )
+    assert "gateway.api_keys_env: String should match pattern" in error_of(
+        tmp_path, "gateway: {api_keys_env: 'not a name'}"
+    )
