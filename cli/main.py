@@ -140,7 +140,9 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
         "this deployment's name on this machine and its Ray namespace (default: default); "
         "give each deployment sharing the machine or the Ray cluster its own",
     )
-    parser.add_argument("--host", default=None, help="the gateway's address (default: the config's gateway.host)")
+    parser.add_argument(
+        "--host", default=None, help="the gateway's address (default: the config's gateway.host)"
+    )
     parser.add_argument(
         "--port", type=int, default=None, help="the gateway's port (default: the config's gateway.port)"
     )
@@ -174,7 +176,7 @@ def _add_status_arguments(parser: argparse.ArgumentParser) -> None:
 def _run_status(args: argparse.Namespace) -> int:
     import json
 
-    from deploy.launcher import ClusterError, fetch_status
+    from deploy.control import ClusterError, fetch_status
     from deploy.report import status_table
 
     try:
@@ -194,7 +196,7 @@ def _add_resize_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_resize(args: argparse.Namespace) -> int:
-    from deploy.launcher import ClusterError, resize_pool
+    from deploy.control import ClusterError, resize_pool
     from deploy.report import status_line
 
     print(
@@ -210,6 +212,21 @@ def _run_resize(args: argparse.Namespace) -> int:
         return 1
     print(status_line(status))
     return 0
+
+
+def _add_apply_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="the cluster config YAML the deployment should run")
+    _add_name_argument(parser, f"{_WHICH_DEPLOYMENT} (with --address: its namespace there)")
+    _add_address_argument(parser, _OR_THE_RECORDED_ONE)
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print what would change (or why it cannot), change nothing"
+    )
+
+
+def _run_apply(args: argparse.Namespace) -> int:
+    from cli.apply import run_apply
+
+    return run_apply(args)
 
 
 def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -245,6 +262,12 @@ COMMANDS: dict[str, Command] = {
         help="change the number of replicas of a running deployment's pool",
         add_arguments=_add_resize_arguments,
         run=_run_resize,
+    ),
+    "apply": Command(
+        help="change a running deployment to a new config: grow, shrink or roll its pools, never "
+        "failing a request (what cannot change live is refused before anything changes)",
+        add_arguments=_add_apply_arguments,
+        run=_run_apply,
     ),
     "config": Command(
         help="check a cluster config file (config check FILE), plan its memory (config plan FILE) "

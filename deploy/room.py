@@ -18,7 +18,8 @@ from collections.abc import Iterable, Mapping
 
 import ray
 
-from deploy.members import Pool, Roster, bundle_of
+from deploy.members import Pool, Roster
+from deploy.worker_spec import WorkerSpec
 from splitserve.config import ClusterConfig
 
 _EPSILON = 1e-9  # fractional CPUs add up inexactly
@@ -28,17 +29,17 @@ class PlacementError(RuntimeError):
     """A pool's bundles cannot be placed: the cluster lacks the resources (at all, or in time)."""
 
 
-def check_room(pool: Pool, count: int, held: Mapping[str, float]) -> None:
-    """Raise `PlacementError` now if `count` more bundles of `pool` can never be placed.
+def check_room(pool: str, spec: WorkerSpec, count: int, held: Mapping[str, float]) -> None:
+    """Raise `PlacementError` now if `count` more bundles of `spec` for `pool` can never be placed.
 
     `held`: what the rest of this deployment takes, by resource name ("CPU", "GPU").
     """
-    bundle, labels = bundle_of(pool.section), pool.section.node_labels
-    shortfall = _shortfall(bundle, count, pool.section.placement, held, labels)
+    bundle, labels = spec.bundle, spec.labels
+    shortfall = _shortfall(bundle, count, spec.placement, held, labels)
     if shortfall:
         raise PlacementError(
-            f"pool {pool.name!r}: cannot reserve {count} x {bundle}{on_labels(labels)} "
-            f"({pool.section.placement}): {shortfall}. Lower {pool.name}.replicas, num_cpus or "
+            f"pool {pool!r}: cannot reserve {count} x {bundle}{on_labels(labels)} "
+            f"({spec.placement}): {shortfall}. Lower {pool}.replicas, num_cpus or "
             "num_gpus, or add nodes."
         )
 
@@ -50,9 +51,14 @@ def check_start_room(config: ClusterConfig, pools: Iterable[Pool]) -> None:
     """
     held = {"CPU": config.gateway.num_cpus + config.store.num_cpus}
     for pool in pools:
-        check_room(pool, pool.section.replicas, held)
-        for name, amount in bundle_of(pool.section).items():
-            held[name] = held.get(name, 0.0) + amount * pool.section.replicas
+        check_room(pool.name, pool.spec, pool.replicas, held)
+        take(held, pool.spec.bundle, pool.replicas)
+
+
+def take(held: dict[str, float], bundle: Mapping[str, float], count: int) -> None:
+    """Count `count` more `bundle`s in `held` (what the deployment takes, by resource)."""
+    for name, amount in bundle.items():
+        held[name] = held.get(name, 0.0) + amount * count
 
 
 def held_resources(config: ClusterConfig, roster: Roster) -> dict[str, float]:
@@ -63,8 +69,7 @@ def held_resources(config: ClusterConfig, roster: Roster) -> dict[str, float]:
     for pool in roster.pools.values():
         for group in pool.groups:
             for bundle in group.bundle_specs:
-                for name, amount in bundle.items():
-                    held[name] = held.get(name, 0.0) + amount
+                take(held, bundle, 1)
     num_stores = sum(store.handle is not None for store in roster.stores.values())
     cpus = num_stores * config.store.num_cpus
     if roster.gateway is not None and roster.gateway.handle is not None:
