@@ -134,7 +134,7 @@ def _add_name_argument(parser: argparse.ArgumentParser, help: str) -> None:
 
 def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="cluster config YAML (default: the embedded default)")
-    _add_address_argument(parser, "$RAY_ADDRESS, else a new local Ray sized to the config")
+    _add_address_argument(parser, "$RAY_ADDRESS, else a new local Ray with room for twice the config")
     _add_name_argument(
         parser,
         "this deployment's name on this machine and its Ray namespace (default: default); "

@@ -1,7 +1,7 @@
 """Start a deployment from a `ClusterConfig` and get a handle that stops it.
 
 `run_cluster(config, name=...)` connects to Ray (`address`, else `$RAY_ADDRESS`, else a fresh
-local Ray sized to the config, its temp dir this deployment's own), starts the controller as the
+local Ray with room to grow (`local_ray_num_cpus`), its temp dir this deployment's own), starts the controller as the
 named actor `splitserve-controller` in the deployment's namespace (`local_deployments.namespace_for`),
 waits until every actor is up and healthy, and returns a `ClusterHandle`. `handle.stop()` ends
 every actor, the controller, and Ray itself only if `run_cluster` started it; it waits on Ray only
@@ -36,6 +36,7 @@ from splitserve.rpc_auth import cluster_token, new_cluster_token, set_cluster_to
 __all__ = ["ClusterError", "ClusterHandle", "run_cluster"]
 
 STATUS_TIMEOUT_S = 30.0
+LOCAL_RAY_HEADROOM = 2  # a local Ray holds this many times the CPUs the config reserves (at least)
 _LIVENESS_POLL_S = 0.5  # how often a wait on the controller checks that Ray's GCS is still there
 
 
@@ -128,6 +129,15 @@ def required_resources(config: ClusterConfig) -> dict[str, float]:
         cpus += pool.replicas * pool.num_cpus
         gpus += pool.replicas * pool.num_gpus
     return {"CPU": cpus, "GPU": gpus}
+
+
+def local_ray_num_cpus(config: ClusterConfig) -> int:
+    """The logical CPUs of the local Ray `up` starts: this machine's cores, and at least twice what
+    the config reserves, so `resize` and `apply` can grow every pool (a rolling replacement needs
+    one replica's room beside the pool). Logical CPUs cost Ray nothing; the cores are shared
+    however many there are."""
+    need_cpus = required_resources(config)["CPU"]
+    return max(os.cpu_count() or 1, math.ceil(LOCAL_RAY_HEADROOM * need_cpus), 1)
 
 
 def _kill_local_ray() -> None:
@@ -244,7 +254,7 @@ def _connect(config: ClusterConfig, address: str | None, name: str) -> tuple[boo
     limit_shutdown_flush()
     ensure_auth_token()
     ray.init(
-        num_cpus=max(1, math.ceil(need["CPU"])),
+        num_cpus=local_ray_num_cpus(config),
         include_dashboard=False,
         namespace=namespace,
         _temp_dir=str(temp_dir),
