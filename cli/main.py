@@ -301,10 +301,26 @@ def add_subcommands(
         command.add_arguments(subparser)
 
 
+# What only the `engine` extra installs: a command that needs one of them says so in one line.
+ENGINE_MODULES = frozenset({"torch", "transformers", "safetensors", "triton"})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse `argv` (default: `sys.argv[1:]`), run the chosen subcommand, return its exit status."""
     args = build_parser().parse_args(argv)
-    return COMMANDS[args.command].run(args)
+    try:
+        return COMMANDS[args.command].run(args)
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").partition(".")[0]
+        if missing not in ENGINE_MODULES:
+            raise
+        print(
+            f"splitserve {args.command}: needs the engine extra ({missing} is not installed here): "
+            "pip install 'splitserve[engine]' (with torch for this machine's hardware first: "
+            'deploy/README.md, "Installing")',
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

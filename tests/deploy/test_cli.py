@@ -6,6 +6,8 @@ import copy
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -211,3 +213,29 @@ def test_status_without_a_deployment_says_so(ray_with_registry):
     assert named.returncode == 1
     assert "no splitserve controller in namespace 'splitserve-other'" in named.stderr
     assert "splitserve up --name other" in named.stderr
+
+
+# Runs in a fresh interpreter: the engine's packages refused, as on a base install.
+_WITHOUT_THE_ENGINE = """
+import sys
+class RefuseEngine:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("torch", "transformers", "safetensors", "triton"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, RefuseEngine())
+from cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("command", [["make-tiny-model", "{tmp}/tiny"], ["demo"]])
+def test_a_command_that_needs_torch_says_so_in_one_line_on_a_base_install(command, tmp_path):
+    args = [arg.format(tmp=tmp_path) for arg in command]
+    result = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_THE_ENGINE, *args], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        f"splitserve {command[0]}: needs the engine extra (torch is not installed here): pip install "
+        "'splitserve[engine]' (with torch for this machine's hardware first: deploy/README.md, \"Installing\")"
+    ]
