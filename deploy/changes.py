@@ -111,9 +111,10 @@ def describe_plan(pools: Mapping[str, Pool], targets: list[PoolTarget]) -> list[
         current = len(pool.members)
         outdated = [m for m in pool.members if m.spec != target.spec]
         if current > target.replicas:
+            gone = ": the pool goes" if target.replicas == 0 else ", outdated ones first"
             lines.append(
                 f"{target.name}: drain and remove {current - target.replicas} replica(s) "
-                f"({current} -> {target.replicas}), outdated ones first"
+                f"({current} -> {target.replicas}){gone}"
             )
         num_rolled = min(len(outdated), target.replicas)
         if num_rolled:

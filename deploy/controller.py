@@ -41,7 +41,7 @@ from deploy.publisher import WorkerPublisher
 from deploy.room import PlacementError, check_start_room
 from deploy.starter import ActorStarter
 from deploy.status import build_status
-from splitserve.config import ClusterConfig
+from splitserve.config import ClusterConfig, ConfigError, parse_config
 from splitserve.rpc_auth import new_cluster_token
 
 CONTROLLER_NAME = "splitserve-controller"
@@ -112,7 +112,7 @@ class Controller:
             check_start_room(self._config, pools)
             # Every reservation first, so a cluster that is too small fails before anything runs.
             wait_s = self._config.health.start_timeout_s
-            reserved = [await reserve(pool, pool.replicas, wait_s) for pool in pools]
+            reserved = [await reserve(pool, pool.replicas, wait_s) for pool in pools if pool.replicas]
             await self._starter.launch([m for members in reserved for m in members])
             self._roster.gateway = Member(kind="gateway", index=0)
             await self._starter.start_gateway(self._roster.gateway)
@@ -166,18 +166,22 @@ class Controller:
         return {"plan": plan, "status": await self.status()}
 
     async def resize(self, pool: str, replicas: int) -> dict[str, Any]:
-        """Grow or shrink one pool to `replicas` workers (at least 1); return status.
+        """Grow or shrink one pool to `replicas` workers; return status.
 
-        An apply of the running config with that pool's count changed: growing fails at once
-        with `PlacementError` when the new replicas can never fit; shrinking drains.
+        An apply of the running config with that pool's count changed (validated as a config:
+        at least 1, or 0 for a prefill pool that falls back to `decode_local`): growing fails at
+        once with `PlacementError` when the new replicas can never fit; shrinking drains.
         """
         pools = self._roster.pools
         if pool not in pools:
             raise ValueError(f"no pool {pool!r}; pools: {', '.join(pools) or 'none (not started)'}")
-        if replicas < 1:
-            raise ValueError(f"a pool needs at least 1 replica (got {replicas}); stop() ends the cluster")
-        section = self._config.pool(pool).model_copy(update={"replicas": replicas})
-        result = await self.apply(self._config.model_copy(update={pool: section}))
+        data = self._config.model_dump(mode="json")
+        data[pool]["replicas"] = replicas
+        try:
+            config = parse_config(data, source=f"resize {pool} {replicas}")
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        result = await self.apply(config)
         return result["status"]  # type: ignore[no-any-return]
 
     def _use_config(self, config: ClusterConfig, targets: list[PoolTarget]) -> None:

@@ -95,7 +95,8 @@ class Pool:
             "node_labels": self.spec.labels,
             "addresses": self.healthy_addresses,
             "num_healthy": sum(m.healthy for m in self.members),
-            "healthy": bool(self.members) and all(m.healthy for m in self.members),
+            # a pool the config empties (a prefill pool under decode_local) is healthy empty
+            "healthy": bool(self.members or not self.replicas) and all(m.healthy for m in self.members),
             "restarts": sum(m.restarts for m in self.members),
             "load": sum_numeric([m.stats for m in self.members]),
             "workers": rows,

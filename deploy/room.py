@@ -51,7 +51,8 @@ def check_start_room(config: ClusterConfig, pools: Iterable[Pool]) -> None:
     """
     held = {"CPU": config.gateway.num_cpus + config.store.num_cpus}
     for pool in pools:
-        check_room(pool.name, pool.spec, pool.replicas, held)
+        if pool.replicas:
+            check_room(pool.name, pool.spec, pool.replicas, held)
         take(held, pool.spec.bundle, pool.replicas)
 
 

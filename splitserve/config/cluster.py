@@ -21,7 +21,9 @@ class ClusterConfig(Section):
     """A whole deployment. Frozen; the cross-checks below run at construction.
 
     In `colocated` mode every `prefill` replica also decodes (one worker runs both phases), so
-    the `decode` section must be absent or say `replicas: 0`.
+    the `decode` section must be absent or say `replicas: 0`. In `disaggregated` mode the prefill
+    pool may have no replica when `prefill.fallback` is `decode_local`: the decode workers then
+    compute the prompts themselves (an apply may remove and add the pool so).
     """
 
     model: ModelConfig = ModelConfig()
@@ -51,8 +53,14 @@ class ClusterConfig(Section):
             )
         for name in self.pool_names:
             pool: PoolConfig = getattr(self, name)
-            if pool.replicas < 1:
-                raise ValueError(f"{name}.replicas: must be at least 1 (got {pool.replicas})")
+            if pool.replicas < 1 and not self._prefill_may_be_empty(name):
+                hint = (
+                    "; 0 removes the prefill pool only with prefill.fallback: decode_local (the decode "
+                    "workers then compute prompts)"
+                    if name == "prefill" and self.mode == "disaggregated"
+                    else ""
+                )
+                raise ValueError(f"{name}.replicas: must be at least 1 (got {pool.replicas}){hint}")
             if self.cache.prefix_unit % pool.block_size:
                 raise ValueError(
                     f"cache.prefix_unit: must be a multiple of {name}.block_size "
@@ -64,6 +72,9 @@ class ClusterConfig(Section):
                 f"({self.cache.prefix_unit}; got {self.cache.retention_interval})"
             )
         return self
+
+    def _prefill_may_be_empty(self, pool: str) -> bool:
+        return pool == "prefill" and self.mode == "disaggregated" and self.prefill.fallback == "decode_local"
 
     @property
     def pool_names(self) -> tuple[str, ...]:

@@ -199,3 +199,14 @@ def test_a_replacement_that_fails_to_start_leaves_the_old_replica_serving_and_sa
     assert ("shutdown", "prefill", old[0], small_config().health.drain_timeout_s) not in events(registry)
     cluster.apply(small_config())  # back to the spec the replica runs: nothing to do
     assert cluster.status()["pools"]["prefill"]["num_outdated"] == 0 and addresses(cluster, "prefill") == old
+
+
+def test_the_prefill_pool_can_be_removed_and_added_back_under_decode_local(cluster, registry):
+    prefill = addresses(cluster, "prefill")
+    result = cluster.apply(small_config(prefill={"replicas": 0}))
+    assert result["plan"] == ["prefill: drain and remove 1 replica(s) (1 -> 0): the pool goes"]
+    status = result["status"]
+    assert status["pools"]["prefill"]["replicas"] == 0 and status["healthy"]
+    assert events(registry)[-1] == ("shutdown", "prefill", prefill[0], small_config().health.drain_timeout_s)
+    assert ("update_workers", [], addresses(cluster, "decode")) in events(registry)
+    assert cluster.resize("prefill", 1)["pools"]["prefill"]["num_healthy"] == 1

@@ -1,10 +1,12 @@
 """`apply` on a real deployment (local Ray: controller, gateway, workers and store as processes)
 under a bounded closed-loop load of greedy streams: a config that adds a decode replica, one
 that changes a prefill engine setting (the prefill pool is rolled: the new replica serves before
-the old one drains), and one that removes the added decode replica while it streams. Every
-request succeeds with the offline engine's tokens, and none of them needed the gateway's decode
-failover or prefill fallback (the drains, not the safety nets, kept them whole). Then a model
-change is refused with the reason, and nothing changed; afterwards nothing is held."""
+the old one drains), one that removes the added decode replica while it streams, then one that
+removes the prefill pool (the decode worker computes prompts) and one that brings it back. Every
+request succeeds with the offline engine's tokens; none needed the gateway's decode failover,
+nor, while the prefill pool had a worker, its prefill fallback (the drains, not the safety nets,
+kept them whole). Then a model change is refused with the reason, and nothing changed;
+afterwards nothing is held."""
 
 from __future__ import annotations
 
@@ -93,7 +95,9 @@ def _overlapping(outcomes: list[Outcome], began_s: float, ended_s: float) -> lis
     return [o for o in outcomes if o.started_s < ended_s and o.ended_s > began_s]
 
 
-def test_apply_adds_rolls_and_removes_replicas_under_load_failing_no_request(cluster, model_path, expected):
+def test_apply_adds_rolls_and_removes_replicas_and_a_pool_under_load_failing_no_request(
+    cluster, model_path, expected
+):
     url = cluster.gateway_url or ""
     failovers = metric_value(url, "splitserve_decode_failovers_total")
     fallbacks = metric_value(url, "splitserve_prefill_fallbacks_total")
@@ -111,10 +115,24 @@ def test_apply_adds_rolls_and_removes_replicas_under_load_failing_no_request(clu
             "the old (max_num_batched_tokens: 2048 -> 512)"
         ]
         windows.append(window)
+        (rolled_prefill,) = cluster.status()["pools"]["prefill"]["workers"]
+        rolled_tokens = _batched_tokens_of(cluster, "prefill", rolled_prefill["index"])
         added = cluster.status()["pools"]["decode"]["workers"][-1]["index"]  # the newest: removed first
         removed = config(model_path, prefill={"max_num_batched_tokens": 512})
         plan, *window = _apply(load, cluster, removed, busy=("decode", added))
         assert plan == ["decode: drain and remove 1 replica(s) (2 -> 1), outdated ones first"]
+        windows.append(window)
+        # until here a prefill worker always served; now the pool goes (the decode worker computes
+        # the prompts: prefill.fallback decode_local) and comes back
+        fallbacks_before_removal = metric_value(url, "splitserve_prefill_fallbacks_total")
+        no_prefill = config(model_path, prefill={"max_num_batched_tokens": 512, "replicas": 0})
+        plan, *window = _apply(load, cluster, no_prefill)
+        assert plan == ["prefill: drain and remove 1 replica(s) (1 -> 0): the pool goes"]
+        windows.append(window)
+        count = len(load.outcomes)
+        load.wait_for(lambda out: len(out) >= count + NUM_CLIENTS, "requests without a prefill pool")
+        plan, *window = _apply(load, cluster, removed)
+        assert plan == ["prefill: add 1 replica(s) (0 -> 1)"]
         windows.append(window)
         count = len(load.outcomes)
         load.wait_for(lambda out: len(out) >= count + NUM_CLIENTS, "requests after the last apply")
@@ -126,23 +144,18 @@ def test_apply_adds_rolls_and_removes_replicas_under_load_failing_no_request(clu
     assert not wrong, f"{len(wrong)} of {len(outcomes)} requests got other tokens"
     for began_s, ended_s in windows:  # each converge ran under load
         assert len(_overlapping(outcomes, began_s, ended_s)) >= NUM_CLIENTS
-    assert metric_value(url, "splitserve_decode_failovers_total") == failovers  # no stream was cut
+    assert metric_value(url, "splitserve_decode_failovers_total") == failovers, "a stream was cut"
+    assert fallbacks_before_removal == fallbacks, "a prompt found no prefill worker while the pool had one"
     assert (
-        metric_value(url, "splitserve_prefill_fallbacks_total") == fallbacks
-    )  # a prefill worker always served
+        metric_value(url, "splitserve_prefill_fallbacks_total") > fallbacks
+    )  # the pool's absence was served
+    # the rolled replica ran the new setting, and so does the one that came back
+    assert rolled_prefill["address"] not in old_prefill and rolled_tokens == 512
     status = cluster.status()
     pools = status["pools"]
     assert (pools["prefill"]["replicas"], pools["decode"]["replicas"]) == (1, 1) and status["healthy"]
-    assert pools["prefill"]["addresses"] != old_prefill
-    prefill = ray.get(
-        cluster.controller.worker_handle.remote("prefill", pools["prefill"]["workers"][0]["index"])
-    )
-    assert (
-        ray.get(prefill.__ray_call__.remote(_batched_tokens)) == 512
-    )  # the rolled replica runs the new setting
-    assert (
-        status["apply"]["done"] == ["decode: drain and remove replica 1"] and status["apply"]["error"] is None
-    )
+    assert _batched_tokens_of(cluster, "prefill", pools["prefill"]["workers"][0]["index"]) == 512
+    assert status["apply"]["done"] == ["prefill: add 1 replica(s)"] and status["apply"]["error"] is None
 
     elsewhere = config(model_path).model_dump(mode="json")
     elsewhere["model"]["path"] = "/elsewhere"
@@ -153,6 +166,12 @@ def test_apply_adds_rolls_and_removes_replicas_under_load_failing_no_request(clu
     assert "every worker and the gateway serve it" in reason and "nothing was changed" in reason
     assert _same_workers(cluster.status(), status)
     assert_idle(cluster, timeout_s=60)
+
+
+def _batched_tokens_of(cluster: ClusterHandle, pool: str, index: int) -> int:
+    """The max_num_batched_tokens a worker's engine runs, asked of the worker itself."""
+    handle = ray.get(cluster.controller.worker_handle.remote(pool, index))
+    return int(ray.get(handle.__ray_call__.remote(_batched_tokens)))
 
 
 def _batched_tokens(worker: Any) -> int:

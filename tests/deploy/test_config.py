@@ -182,7 +182,12 @@ def test_colocated_mode_without_a_decode_section_has_one_pool(tmp_path):
 
 
 def test_pools_need_a_replica_and_no_negative_gpus(tmp_path):
-    assert "prefill.replicas: must be at least 1 (got 0)" in error_of(tmp_path, "prefill: {replicas: 0}")
+    assert "decode.replicas: must be at least 1 (got 0)" in error_of(tmp_path, "decode: {replicas: 0}")
+    message = error_of(tmp_path, "prefill: {replicas: 0, fallback: fail}")
+    assert "prefill.replicas: must be at least 1 (got 0); 0 removes the prefill pool only with" in message
+    # the decode workers compute the prompts: a deployment without a prefill pool
+    assert load_config(write(tmp_path, "prefill: {replicas: 0}")).prefill.replicas == 0
+    assert "prefill.replicas" in error_of(tmp_path, "mode: colocated\nprefill: {replicas: 0}")
     assert "decode.num_gpus: Input should be greater than or equal to 0" in error_of(
         tmp_path, "decode: {num_gpus: -1}"
     )
