@@ -87,6 +87,7 @@ class Converger:
                     self.progress.step = None
         except Exception as exc:
             self.progress.error = f"{self.progress.step}: {type(exc).__name__}: {exc}"
+            self.progress.step = None
             logger.error("apply stopped: %s", self.progress.error)
             raise
         finally:

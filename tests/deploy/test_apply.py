@@ -195,7 +195,7 @@ def test_a_replacement_that_fails_to_start_leaves_the_old_replica_serving_and_sa
     assert status["healthy"] and addresses(cluster, "prefill") == old
     assert status["pools"]["prefill"]["num_outdated"] == 1
     assert status["apply"]["error"].startswith("prefill: replace replica 0: StartError: prefill 1 failed")
-    assert not status["apply"]["in_progress"]
+    assert not status["apply"]["in_progress"] and status["apply"]["step"] is None
     assert ("shutdown", "prefill", old[0], small_config().health.drain_timeout_s) not in events(registry)
     cluster.apply(small_config())  # back to the spec the replica runs: nothing to do
     assert cluster.status()["pools"]["prefill"]["num_outdated"] == 0 and addresses(cluster, "prefill") == old

@@ -186,7 +186,7 @@ def test_config_check_says_when_the_checkpoint_is_not_on_this_machine(tmp_path, 
     assert "`splitserve up` without --address refuses it here" in err
 
 
-def test_status_from_another_process_prints_the_table(ray_with_registry):
+def test_status_resize_and_apply_from_another_process(ray_with_registry, tmp_path):
     with run_cluster(small_config(), actor_classes=FAKE_CLASSES) as cluster:
         address = ray.get_runtime_context().gcs_address
         result = run_splitserve("status", "--address", address)
@@ -201,7 +201,23 @@ def test_status_from_another_process_prints_the_table(ray_with_registry):
         assert "decode 2/2" in resize.stdout
         assert len(cluster.status()["pools"]["decode"]["addresses"]) == 2
         refused = run_splitserve("resize", "decode", "0", "--address", address)
-        assert refused.returncode == 1 and "at least 1 replica" in refused.stderr
+        assert refused.returncode == 1 and "decode.replicas: must be at least 1 (got 0)" in refused.stderr
+
+        # apply finds the deployment as status does; a dry run prints the plan, a model change is refused
+        shrunk = tmp_path / "shrunk.yaml"
+        shrunk.write_text(small_config().to_yaml())
+        dry = run_splitserve("apply", "--config", str(shrunk), "--address", address, "--dry-run")
+        assert dry.returncode == 0, dry.stderr
+        assert dry.stdout.splitlines() == [
+            "plan:",
+            "  - decode: drain and remove 1 replica(s) (2 -> 1), outdated ones first",
+            "dry run: nothing changed",
+        ]
+        moved = tmp_path / "moved.yaml"
+        moved.write_text(small_config(model={"path": "/models/moved"}).to_yaml())
+        refused = run_splitserve("apply", "--config", str(moved), "--address", address)
+        assert refused.returncode == 1 and "model cannot change live" in refused.stderr
+        assert len(cluster.status()["pools"]["decode"]["addresses"]) == 2
 
 
 def test_status_without_a_deployment_says_so(ray_with_registry):
