@@ -79,6 +79,7 @@ class Controller:
         actor_classes: dict[str, type] | None = None,
         cluster_token: str | None = None,
     ) -> None:
+        _log_to_stderr()
         self._config = config
         self._roster = Roster()
         self._node_ips = NodeIps()
@@ -243,3 +244,15 @@ class Controller:
             if member.index == index:
                 return member.handle
         raise ValueError(f"pool {pool!r} has no worker {index}")
+
+
+def _log_to_stderr() -> None:
+    """The controller's INFO lines (actors started, each step of an apply) and worse go to its
+    stderr, which Ray keeps in the controller's log file and forwards to the driver: `up` prints
+    them. (Without a handler, Python shows only warnings.)"""
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False

@@ -157,6 +157,12 @@ def test_the_quick_start_grows_with_apply_and_shrinks_with_resize(tmp_path):
         assert "  - decode: add 1 replica(s) (1 -> 2)" in applied.stdout
         assert "  done: decode: add 1 replica(s)" in applied.stdout
         assert applied.stdout.rstrip().splitlines()[-1].startswith("healthy: prefill 1/1, decode 2/2")
+        wait_until(  # the controller logged the step, and Ray forwarded it to `up`'s terminal
+            lambda: any(
+                "splitserve.deploy: apply: decode: add 1 replica(s)" in line for line in process.stderr
+            ),
+            what="the controller's log line of the step in up's output",
+        )
 
         resized = run_splitserve("resize", "decode", "1", runtime_dir=str(runtime_dir), timeout_s=600)
         assert resized.returncode == 0, resized.stderr
