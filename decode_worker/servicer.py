@@ -105,6 +105,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 logger.warning("cross-node state comes as gRPC bytes for now: %s", exc)
             return self.transport
 
+    @property
+    def cross_node_transport(self) -> str | None:
+        """How other nodes' state reaches this worker: the transfer engine's name, "grpc" (bytes
+        over gRPC), or None before its first reservation from another node's store."""
+        if not self._transport_checked:
+            return None
+        return self.transport.engine if self.transport is not None else "grpc"
+
     def Reserve(
         self, request: decode_pb2.ReserveRequest, context: grpc.ServicerContext
     ) -> decode_pb2.ReserveResponse:

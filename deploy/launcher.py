@@ -29,6 +29,7 @@ from deploy.cluster_error import ClusterError
 from deploy.controller import CONTROLLER_NAME, HEAD_NODE_RESOURCE, Controller
 from deploy.local_deployments import DEFAULT_NAME, name_of, namespace_for, ray_temp_dir
 from deploy.ray_connection import attach, ensure_auth_token, gcs_reachable, limit_shutdown_flush
+from deploy.worker_spec import bundle_of
 from frontend.server import GatewayBindError, bind_listening_socket
 from splitserve.config import ClusterConfig, gateway_api_keys
 from splitserve.rpc_auth import cluster_token, new_cluster_token, set_cluster_token
@@ -36,7 +37,8 @@ from splitserve.rpc_auth import cluster_token, new_cluster_token, set_cluster_to
 __all__ = ["ClusterError", "ClusterHandle", "run_cluster"]
 
 STATUS_TIMEOUT_S = 30.0
-LOCAL_RAY_HEADROOM = 2  # a local Ray holds this many times the CPUs the config reserves (at least)
+# a local Ray holds at least this many times the CPUs and custom resources the config reserves
+LOCAL_RAY_HEADROOM = 2
 _LIVENESS_POLL_S = 0.5  # how often a wait on the controller checks that Ray's GCS is still there
 
 
@@ -121,14 +123,14 @@ class ClusterHandle:
 
 
 def required_resources(config: ClusterConfig) -> dict[str, float]:
-    """The logical CPUs and GPUs the whole deployment reserves (one store, as on one node)."""
-    cpus = config.gateway.num_cpus + config.store.num_cpus
-    gpus = 0.0
+    """The logical CPUs, GPUs and pools' custom resources the whole deployment reserves (one
+    store, as on one node)."""
+    need = {"CPU": config.gateway.num_cpus + config.store.num_cpus, "GPU": 0.0}
     for name in config.pool_names:
         pool = config.pool(name)
-        cpus += pool.replicas * pool.num_cpus
-        gpus += pool.replicas * pool.num_gpus
-    return {"CPU": cpus, "GPU": gpus}
+        for resource, amount in bundle_of(pool).items():
+            need[resource] = need.get(resource, 0.0) + pool.replicas * amount
+    return need
 
 
 def local_ray_num_cpus(config: ClusterConfig) -> int:
@@ -138,6 +140,13 @@ def local_ray_num_cpus(config: ClusterConfig) -> int:
     however many there are."""
     need_cpus = required_resources(config)["CPU"]
     return max(os.cpu_count() or 1, math.ceil(LOCAL_RAY_HEADROOM * need_cpus), 1)
+
+
+def local_ray_custom_resources(config: ClusterConfig) -> dict[str, float]:
+    """The pools' custom resources (`<pool>.resources`) of the local Ray `up` starts, with the
+    same headroom as its CPUs: a pool pinned by them can grow and roll on one machine too."""
+    need = required_resources(config)
+    return {name: LOCAL_RAY_HEADROOM * amount for name, amount in need.items() if name not in ("CPU", "GPU")}
 
 
 def _kill_local_ray() -> None:
@@ -255,6 +264,7 @@ def _connect(config: ClusterConfig, address: str | None, name: str) -> tuple[boo
     ensure_auth_token()
     ray.init(
         num_cpus=local_ray_num_cpus(config),
+        resources=local_ray_custom_resources(config),
         include_dashboard=False,
         namespace=namespace,
         _temp_dir=str(temp_dir),

@@ -6,12 +6,16 @@ the cluster cannot give it in time. Before waiting, `check_room` (deploy/room.py
 when the bundles can never fit. A group is freed only whole, so the bundle of a worker removed
 from a group others still use is kept (`vacate`) and handed to the next worker of the same
 reservation (`place`): a rolling replacement needs room for one extra bundle, not one per replica.
+
+When a node dies, Ray re-places the bundles it held on nodes with room for them (the group is
+RESCHEDULING meanwhile); `placed_node` waits for a worker's bundle to sit on a live node again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
@@ -22,7 +26,18 @@ from deploy.room import PlacementError, cluster_has, on_labels
 
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # every Ray head node has 1 of it
 
-__all__ = ["HEAD_NODE_RESOURCE", "NodeIps", "PlacementError", "place", "release_groups", "reserve", "vacate"]
+__all__ = [
+    "HEAD_NODE_RESOURCE",
+    "NodeIps",
+    "PlacementError",
+    "live_node_ids",
+    "place",
+    "placed_node",
+    "release_groups",
+    "reserve",
+    "vacate",
+]
+_PLACED_POLL_S = 0.2
 
 
 async def reserve(pool: Pool, count: int, wait_s: float) -> list[Member]:
@@ -69,7 +84,6 @@ async def place(pool: Pool, count: int, wait_s: float) -> list[Member]:
     reused = [slot for slot in pool.vacated if pool.spec.same_reservation(slot.spec)][:count]
     members = []
     for slot in reused:
-        pool.vacated.remove(slot)
         member = Member(
             kind=pool.role,
             index=pool.next_index,
@@ -78,7 +92,9 @@ async def place(pool: Pool, count: int, wait_s: float) -> list[Member]:
             bundle_index=slot.bundle_index,
             spec=pool.spec,
         )
-        member.node_id = node_of_bundle(member)
+        # Ray re-places a bundle whose node died: the member starts beside its new node's store
+        member.node_id = await placed_node(member, wait_s)
+        pool.vacated.remove(slot)
         pool.next_index += 1
         pool.members.append(member)
         members.append(member)
@@ -94,9 +110,27 @@ def vacate(pool: Pool, member: Member) -> None:
     release_groups(pool)
 
 
-def node_of_bundle(member: Member) -> str:
-    """The node a worker's bundle is on now (Ray re-places a bundle whose node died)."""
-    return str(placement_group_table(member.group)["bundles_to_node_id"][member.bundle_index])
+def live_node_ids() -> set[str]:
+    """The ids of the nodes Ray counts alive now (a node it lost is dead once its health checks fail)."""
+    return {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+
+
+async def placed_node(member: Member, wait_s: float) -> str:
+    """The live node a worker's bundle is on, waiting up to `wait_s` while Ray re-places a bundle
+    whose node died; `PlacementError` if no live node takes it in time (none has room)."""
+    deadline_s = time.monotonic() + wait_s
+    while True:
+        node_id = placement_group_table(member.group)["bundles_to_node_id"].get(member.bundle_index)
+        if node_id in live_node_ids():
+            return str(node_id)
+        if time.monotonic() > deadline_s:
+            bundle = member.group.bundle_specs[member.bundle_index]
+            raise PlacementError(
+                f"{member.kind} {member.index}: its bundle {bundle} is on no live node after {wait_s:g} s "
+                f"(its node was lost and no other has room for it: free resources or add nodes); "
+                f"the Ray cluster has {cluster_has(bundle)}"
+            )
+        await asyncio.sleep(_PLACED_POLL_S)
 
 
 def release_groups(pool: Pool, *, all_groups: bool = False) -> None:

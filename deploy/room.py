@@ -39,8 +39,8 @@ def check_room(pool: str, spec: WorkerSpec, count: int, held: Mapping[str, float
     if shortfall:
         raise PlacementError(
             f"pool {pool!r}: cannot reserve {count} x {bundle}{on_labels(labels)} "
-            f"({spec.placement}): {shortfall}. Lower {pool}.replicas, num_cpus or "
-            "num_gpus, or add nodes."
+            f"({spec.placement}): {shortfall}. Lower {pool}.replicas, num_cpus, num_gpus or "
+            "resources, or add nodes."
         )
 
 

@@ -42,11 +42,7 @@ class WorkerSpec:
     @property
     def bundle(self) -> dict[str, float]:
         """The Ray resources one replica reserves: its CPUs, GPUs and custom resources."""
-        bundle = {"CPU": self.num_cpus}
-        if self.num_gpus > 0:
-            bundle["GPU"] = self.num_gpus
-        bundle.update(self.resources)
-        return bundle
+        return _bundle(self.num_cpus, self.num_gpus, dict(self.resources))
 
     @property
     def labels(self) -> dict[str, str]:
@@ -64,6 +60,19 @@ class WorkerSpec:
         """Each setting in which `other` differs from this spec: name -> (this value, other's)."""
         mine, theirs = _settings(self), _settings(other)
         return {name: (mine[name], theirs[name]) for name in mine if mine[name] != theirs[name]}
+
+
+def bundle_of(section: PoolConfig) -> dict[str, float]:
+    """The Ray resources one replica of the pool reserves: its CPUs, GPUs and custom resources."""
+    return _bundle(float(section.num_cpus), float(section.num_gpus), section.resources)
+
+
+def _bundle(num_cpus: float, num_gpus: float, resources: dict[str, float]) -> dict[str, float]:
+    bundle = {"CPU": num_cpus}
+    if num_gpus > 0:
+        bundle["GPU"] = num_gpus
+    bundle.update({name: float(amount) for name, amount in resources.items()})
+    return bundle
 
 
 def _settings(spec: WorkerSpec) -> dict[str, Any]:

@@ -83,14 +83,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             num_bytes = state_bytes(self.loop.engine.caches, num_state_tokens)
             # another node's store (two hops) gets bytes even where its arena could be mapped
             shared = None if request.store_address == self.store_address or not self.store_address else False
-            writer = StateWriter(
-                self._store(request.store_address),
-                request.state_key,
-                owner,
-                request.lease_s,
-                num_bytes,
-                shared_memory=shared,
-            )
+            try:
+                writer = StateWriter(
+                    self._store(request.store_address),
+                    request.state_key,
+                    owner,
+                    request.lease_s,
+                    num_bytes,
+                    shared_memory=shared,
+                )
+            except StateStoreError as exc:  # e.g. UNAVAILABLE: the store is down (the gateway retries)
+                abort(context, status_code(exc), f"writing state to {request.store_address} failed: {exc}")
             export = writer.write
         done = threading.Event()
         result: list[RequestUpdate] = []

@@ -25,6 +25,16 @@ class GatewayConfig(Section):
     max_prompt_chars: int | None = Field(default=None, ge=1)
     # requests past the decode pool's room wait in a FIFO queue this long at most; past it, 429
     max_queued_requests: int = Field(default=1024, ge=0)
+    # Slow and idle clients. A request's line and headers must arrive within header_read_timeout_s
+    # (a new connection that sends nothing is closed after it); a body may fall silent for at most
+    # body_read_timeout_s; the whole request must arrive within request_read_timeout_s; an idle
+    # connection between requests is closed after keep_alive_timeout_s. Past these, a 408 and close.
+    header_read_timeout_s: float = Field(default=30, gt=0)
+    body_read_timeout_s: float = Field(default=30, gt=0)
+    request_read_timeout_s: float = Field(default=120, gt=0)
+    keep_alive_timeout_s: float = Field(default=30, gt=0)
+    # open connections one client address may hold; past it, a 429 and close; null: no cap
+    max_connections_per_client: int | None = Field(default=1024, ge=1)
     # the API keys from outside the file instead (at most one of api_keys, api_keys_env, api_keys_file):
     # an environment variable of the head node's Ray, or a file there (gateway_api_keys reads them)
     api_keys_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")

@@ -11,8 +11,10 @@ from splitserve.config.byte_size import ByteSize
 from splitserve.config.section import Section
 
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
-# Resources Ray names itself: a pool asks for them through num_cpus and num_gpus, or not at all.
-_RAY_OWN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+# Resources Ray names itself that a bundle may not ask for here: CPUs and GPUs through num_cpus
+# and num_gpus, Ray's memory accounting not at all. A node's own `node:<ip>` resource may be named
+# (it pins the pool to that node).
+_RAY_MEMORY_RESOURCES = ("memory", "object_store_memory")
 
 
 class PoolConfig(Section):
@@ -53,10 +55,12 @@ class PoolConfig(Section):
     @classmethod
     def _custom_resources_only(cls, value: dict[str, float]) -> dict[str, float]:
         for name, amount in value.items():
-            if name in _RAY_OWN_RESOURCES or name.startswith("node:"):
+            if name in ("CPU", "GPU"):
+                raise ValueError(f"{name!r} is not a custom resource: set num_{name.lower()}s instead")
+            if name in _RAY_MEMORY_RESOURCES:
                 raise ValueError(
                     f"{name!r} is Ray's own resource; resources names custom ones (those a node offers "
-                    "with `ray start --resources`): set CPUs and GPUs with num_cpus and num_gpus"
+                    "with `ray start --resources`)"
                 )
             if not name or amount <= 0:
                 raise ValueError(f"each resource needs a name and an amount above 0 (got {name!r}: {amount})")

@@ -18,6 +18,7 @@ from splitserve.engine.cuda_graph_plan import plan_decode_padding
 from splitserve.engine.loader import load_model
 from splitserve.engine.model_config import KimiLinearModelConfig
 from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.ops.kda_dispatch import kda_backend
 from splitserve.engine.prefix_cache import ImportedPrefix, PrefixCacheStats, PrefixEvent, RetainedPrefix
 from splitserve.engine.prefix_cache.cache import PrefixCache, make_prefix_cache
 from splitserve.engine.prefix_cache.match import find_hit
@@ -70,6 +71,8 @@ class LLMEngine:
         if mc.hidden_act != "silu":
             raise ValueError(f"hidden_act {mc.hidden_act!r} is not supported (only 'silu')")
         self.device = torch.device(config.device)
+        if mc.kda_layer_ids:
+            kda_backend(self.device)  # CUDA without fla is refused here, before the weights load
         dtype = getattr(torch, config.dtype)  # EngineConfig.dtype is a torch dtype name
         context_len(mc, config)  # a max_model_len beyond the checkpoint's fails before the weights load
         self.model = load_model(mc, path, dtype, self.device)
@@ -116,7 +119,9 @@ class LLMEngine:
     def _block_pool(self) -> tuple[BlockAllocator, SlotAllocator, PrefixCache | None]:
         """The block and slot allocators, and the prefix cache when caching is on."""
         self.prefix_cache = make_prefix_cache(self.config, self.plan, self.caches)
-        blocks = BlockAllocator(self.plan.num_blocks) if self.prefix_cache is None else self.prefix_cache.blocks
+        blocks = (
+            BlockAllocator(self.plan.num_blocks) if self.prefix_cache is None else self.prefix_cache.blocks
+        )
         return blocks, SlotAllocator(self.plan.num_slots, self.caches), self.prefix_cache
 
     def _plan_cache(self) -> tuple[CachePlan, int]:

@@ -13,6 +13,7 @@ from splitserve.engine.cuda_graph import DecodeGraphs
 from splitserve.engine.cuda_graph_plan import DecodePadding
 from splitserve.engine.forward_batch import ForwardBatch, TokenGroup
 from splitserve.engine.host_pack import HostPack, block_tables, long_tensor
+from splitserve.engine.host_staging import to_device
 from splitserve.engine.model.kimi_linear import KimiLinearForCausalLM, LayerCaches
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler, SamplingRow
@@ -126,7 +127,8 @@ class ModelRunner:
             # tokens a resumed request (decode failover) had already generated.
             n = req.num_tokens
             end = min(end, n)
-            rows = token_rows(req.block_table, end, self.block_size, start)
+            # on the device once (pinned, no stream sync), not from pageable memory per layer
+            rows = to_device(token_rows(req.block_table, end, self.block_size, start), self.device)
             jobs.append((req, rows, start, end, n, s.samples))
         mla = self.caches.mla_kv
 

@@ -41,7 +41,12 @@ def test_a_pip_installed_package_plans_the_gpu_example_from_the_shipped_model_co
     (wheel,) = (tmp_path / "wheels").glob("splitserve-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "deploy/configs/models/Kimi-Linear-48B-A3B-Instruct/config.json" in names
-    assert {"deploy/configs/gpu-cluster.yaml", "deploy/kuberay/raycluster.yaml"} <= set(names)
+    examples = {
+        "deploy/configs/gpu-cluster.yaml",
+        "deploy/kuberay/raycluster.yaml",
+        "deploy/onprem/ray-cluster.yaml",
+    }
+    assert examples <= set(names)
     site = tmp_path / "site"
     _pip("install", "--no-deps", "--no-index", "--quiet", "--target", str(site), str(wheel), cwd=tmp_path)
 

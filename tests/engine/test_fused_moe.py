@@ -88,6 +88,37 @@ _INTERPRETER_CHECK = textwrap.dedent(
 )
 
 
+_SHARED_CHECK = textwrap.dedent(
+    """
+    import torch
+    import torch.nn.functional as F
+    from splitserve.engine.ops.fused_moe import SharedExperts, fused_moe
+    from splitserve.engine.ops.moe_reference import moe_experts_torch
+    from splitserve.engine.ops.router import with_shared
+    from tests.engine.test_fused_moe import make_case
+
+    for num_tokens, num_experts, hidden, inter, top_k, num_shared in [(1, 8, 32, 16, 2, 1), (19, 4, 40, 24, 2, 2)]:
+        x, w13, w2, weights, expert_ids = make_case(num_tokens, num_experts, hidden, inter, top_k)
+        gen = torch.Generator().manual_seed(num_tokens)
+        gate_up = torch.randn(2 * num_shared * inter, hidden, generator=gen) / hidden**0.5
+        down = torch.randn(hidden, num_shared * inter, generator=gen) / inter**0.5
+        gate, up = gate_up.chunk(2)
+        want = moe_experts_torch(x, w13, w2, weights, expert_ids) + F.linear(F.silu(x @ gate.T) * (x @ up.T), down)
+        both = with_shared(weights, expert_ids, num_experts, num_shared)
+        got = fused_moe(x, w13, w2, *both, SharedExperts(gate_up, down, num_shared))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        print("ok", num_tokens, num_shared)
+    """
+)
+
+
+def test_shared_experts_ride_in_the_routed_kernels_under_the_interpreter() -> None:
+    """The shared MLP as one or two extra experts (its intermediate slices) gives the routed sum plus the MLP."""
+    pytest.importorskip("triton")
+    proc = _run_interpreted(_SHARED_CHECK)
+    assert proc.stdout.count("ok") == 2, proc.stdout
+
+
 def test_triton_kernel_under_the_interpreter_matches_the_reference() -> None:
     """Odd sizes (not multiples of the tiles), one token, top-3, and every token on the same experts."""
     pytest.importorskip("triton")
@@ -153,4 +184,26 @@ def test_triton_kernel_on_real_shapes_matches_the_reference(num_tokens: int) -> 
     x, w13, w2 = x.bfloat16(), w13.bfloat16(), w2.bfloat16()
     got = fused_moe(x, w13, w2, weights, expert_ids).float()
     want = moe_experts_torch(x.float(), w13.float(), w2.float(), weights, expert_ids)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("num_tokens", [1, 64])
+def test_shared_expert_in_the_kernels_on_real_shapes(num_tokens: int) -> None:
+    """Kimi-Linear-48B's experts plus its one shared expert, in bf16, against routed + shared MLP in fp32."""
+    from splitserve.engine.ops.fused_moe import SharedExperts, fused_moe
+    from splitserve.engine.ops.router import with_shared
+
+    x, w13, w2, weights, expert_ids = (t.cuda() for t in make_case(num_tokens, 256, 2304, 1024, 8))
+    gen = torch.Generator().manual_seed(1)
+    gate_up = (torch.randn(2048, 2304, generator=gen) / 2304**0.5).cuda()
+    down = (torch.randn(2304, 1024, generator=gen) / 1024**0.5).cuda()
+    gate, up = gate_up.chunk(2)
+    want = moe_experts_torch(x, w13, w2, weights, expert_ids) + F.linear(
+        F.silu(x @ gate.T) * (x @ up.T), down
+    )
+    shared = SharedExperts(gate_up.bfloat16(), down.bfloat16(), 1)
+    both = with_shared(weights, expert_ids, 256, 1)
+    got = fused_moe(x.bfloat16(), w13.bfloat16(), w2.bfloat16(), *both, shared).float()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)

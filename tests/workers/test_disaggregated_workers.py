@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
+from prefill_worker.actor import PrefillWorkerActor
 from splitserve import LLM, SamplingParams
 from splitserve.rpc import make_channel
 from splitserve.state.client import StateStoreClient
@@ -191,3 +193,36 @@ def test_a_prefill_that_hands_off_must_name_its_state_target(cluster):
         prefill_pb2_grpc.PrefillStub(ch).Prefill(request, timeout=60)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "unless max_tokens is 1" in err.value.details()
+
+
+def _closed_port_address() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_a_prefill_whose_store_is_down_fails_unavailable_so_the_gateway_retries(engine_config):
+    """Its node's store, which it must write into, cannot be reached (SIGKILLed, restarting): the
+    Prefill ends UNAVAILABLE naming the store (the gateway then runs the prompt elsewhere), not
+    UNKNOWN (an exception escaping the servicer, which the gateway takes for a bug and does not
+    retry: opening a write into this node's store maps its arena first, and that call raised)."""
+    dead = _closed_port_address()
+    worker = PrefillWorkerActor(engine_config, dead)  # its node's store is the dead one
+    address = worker.start("127.0.0.1", 0)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=4)
+        request = prefill_pb2.PrefillRequest(
+            request_id="store-down",
+            prompt_token_ids=PROMPTS[0],
+            sampling_params=sampling_params_to_proto(params),
+            store_address=dead,
+            state_key="store-down/key",
+        )
+        with make_channel(address) as ch, pytest.raises(grpc.RpcError) as err:
+            prefill_pb2_grpc.PrefillStub(ch).Prefill(request, timeout=60)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+        assert f"writing state to {dead} failed" in err.value.details()
+        stats = worker.stats()
+        assert stats["num_running"] == stats["num_waiting"] == 0
+    finally:
+        worker.shutdown()

@@ -20,8 +20,8 @@ from torch import nn
 from splitserve.engine.forward_batch import ForwardBatch, TokenGroup
 from splitserve.engine.model.layers import GatedRMSNorm, fuse_rows
 from splitserve.engine.model_config import KimiLinearModelConfig
-from splitserve.engine.ops.kda import l2norm
 from splitserve.engine.ops.kda_dispatch import kda_backend, kda_decode_into, kda_prefill, kda_prefill_varlen
+from splitserve.engine.ops.kda_gates import conv_step_torch, kda_decode_gates, kda_gates_torch
 from splitserve.engine.replay_ring import ReplayLayerRing
 
 
@@ -77,40 +77,57 @@ class KimiDeltaAttention(nn.Module):
         dim, hd, nh = self.qkv_dim, self.head_dim, self.num_heads
         proj = F.linear(x, self.in_proj)
         mixed, f_a, b_logit, g_a = proj.split([3 * dim, hd, nh, hd], dim=-1)
-        conv_out = torch.empty_like(mixed)
-        if batch.single is not None:
-            conv_out[: batch.single.num_rows] = self._conv_step(
-                mixed[: batch.single.num_rows], batch.single, conv_state
-            )
-        if batch.multi is not None:
-            self._conv_chunk(mixed, batch.multi, conv_state, conv_out)
-        q, k, v = (t.float().view(-1, nh, hd) for t in conv_out.split(dim, dim=-1))
-        q = l2norm(q) * (hd**-0.5)
-        k = l2norm(k)
-        g = self.f_b_proj(f_a).float().view(-1, nh, hd) + self.dt_bias.float().view(nh, hd)
-        g = F.softplus(g, threshold=20.0).mul_(-self.decay_rate)  # log1p(exp(g)), g itself above 20
-        beta = torch.sigmoid(b_logit).float()
-        core = torch.empty_like(v)
-        if batch.single is not None:
-            n = batch.single.num_rows
+        f = self.f_b_proj(f_a)
+        gates = (self.dt_bias, self.decay_rate, nh)
+        if batch.multi is None:  # a decode step: conv, norms and gates in one launch on CUDA
+            assert batch.single is not None
             slots = batch.single.state_slots
-            if replay is None:
-                core[:n] = kda_decode_into(q[:n], k[:n], v[:n], g[:n], beta[:n], recurrent_state, slots)
-            else:
-                core[:n] = replay.step(q[:n], k[:n], v[:n], g[:n], beta[:n], slots, batch.single.slot_ids)
-        if batch.multi is not None:
+            q, k, v, g, beta = kda_decode_gates(
+                mixed, f, b_logit, conv_state, self.conv_weight, slots, *gates
+            )
+            core = self._delta_step(q, k, v, g, beta, batch.single, recurrent_state, replay)
+        else:
+            conv_out = torch.empty_like(mixed)
+            if batch.single is not None:
+                n = batch.single.num_rows
+                conv_out[:n] = conv_step_torch(
+                    mixed[:n], conv_state, batch.single.state_slots, self.conv_weight
+                )
+            self._conv_chunk(mixed, batch.multi, conv_state, conv_out)
+            q, k, v, g, beta = kda_gates_torch(conv_out, f, b_logit, *gates)
+            core = torch.empty_like(v)
+            if batch.single is not None:
+                n = batch.single.num_rows
+                core[:n] = self._delta_step(
+                    q[:n], k[:n], v[:n], g[:n], beta[:n], batch.single, recurrent_state, replay
+                )
             if replay is not None:
                 replay.fold(batch.multi.slot_ids)
             self._delta_chunk(q, k, v, g, beta, batch.multi, recurrent_state, core)
         gate = self.g_b_proj(g_a).view(-1, nh, hd)
-        out = self.o_norm(core.to(x.dtype), gate).reshape(-1, dim)
+        out = self.o_norm(core, gate, x.dtype).reshape(-1, dim)
         return self.o_proj(out)
 
-    def _conv_step(self, x: torch.Tensor, group: TokenGroup, conv_state: torch.Tensor) -> torch.Tensor:
-        slots = group.state_slots  # index_select / index_copy_: the fast CPU row gather and scatter
-        window = torch.cat([conv_state.index_select(0, slots), x.unsqueeze(-1)], dim=-1)  # [N, C, K]
-        conv_state.index_copy_(0, slots, window[:, :, 1:])
-        return F.silu((window * self.conv_weight).sum(-1))
+    def _delta_step(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        group: TokenGroup,
+        recurrent_state: torch.Tensor,
+        replay: ReplayLayerRing | None,
+    ) -> torch.Tensor:
+        """One token per row of `group`: the delta rule on the rows' states (or their ReplaySSM rings)."""
+        if replay is not None:
+            return replay.step(q, k, v, g, beta, group.state_slots, group.slot_ids)
+        slots = group.state_slots
+        if kda_backend(q.device) == "fla":  # fla takes int32 slots: made once per step, shared by the layers
+            slots = group.derived.get("kda_slots_int32", slots)
+            if slots.dtype != torch.int32:
+                slots = group.derived["kda_slots_int32"] = slots.to(torch.int32)
+        return kda_decode_into(q, k, v, g, beta, recurrent_state, slots)
 
     def _conv_chunk(
         self, mixed: torch.Tensor, group: TokenGroup, conv_state: torch.Tensor, out: torch.Tensor

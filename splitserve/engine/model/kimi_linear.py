@@ -28,7 +28,8 @@ class LayerCaches:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: token mixer (KDA or MLA) then MLP (dense or MoE)."""
+    """Pre-norm residual block: token mixer (KDA or MLA) then MLP (dense or MoE); each residual add
+    runs with the norm after it (ops/norms.py)."""
 
     def __init__(self, config: KimiLinearModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -45,16 +46,21 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, caches: LayerCaches
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`hidden` is the previous sublayer's output, not yet added to the residual stream `residual`
+        (None in the first layer, whose `hidden` is the embeddings). Returns this layer's MLP output and
+        the stream before it: the next layer adds them in the same launch as its input norm."""
+        h, residual = self.input_layernorm.add_and_norm(hidden, residual)
         if self.is_mla:
             h = self.self_attn(h, batch, caches.mla_kv[self.layer_id])
         else:
             lid = self.layer_id
             ring = caches.replay.layers[lid] if caches.replay is not None else None
             h = self.self_attn(h, batch, caches.kda_conv[lid], caches.kda_recurrent[lid], ring)
-        x = x + h
-        return x + self.block_sparse_moe(self.post_attention_layernorm(x))
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.block_sparse_moe(h), residual
 
 
 class KimiLinearModel(nn.Module):
@@ -90,11 +96,12 @@ class KimiLinearForCausalLM(nn.Module):
                 finalize()
 
     def forward(self, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
-        x = self.model.embed_tokens(batch.input_ids)
+        hidden, residual = self.model.embed_tokens(batch.input_ids), None
         for layer_id, layer in enumerate(self.model.layers):
-            x = layer(x, batch, caches)
+            hidden, residual = layer(hidden, residual, batch, caches)
             if batch.after_layer is not None:
                 batch.after_layer(layer_id)
+        x = hidden if residual is None else residual + hidden
         return self.model.norm(x[batch.logits_indices])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -6,9 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.engine.ops.norms import add_rms_norm, gated_rms_norm, rms_norm
+
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 and cast back before the weight, as transformers does."""
+    """RMSNorm computed in fp32 and cast back before the weight, as transformers does (ops/norms.py;
+    one Triton launch on CUDA). `add_and_norm` also adds a sublayer's output to the residual stream."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -16,26 +19,29 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(norm(residual + x), residual + x)`; with no residual yet, `(norm(x), x)`."""
+        if residual is None:
+            return self(x), x
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
-    """KDA's output norm: fp32 RMSNorm per head, times the weight, times sigmoid(gate)."""
+    """KDA's output norm: fp32 RMSNorm per head, times the weight, times sigmoid(gate) (ops/norms.py;
+    one Triton launch on CUDA)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        x32 = self.weight.float() * x32 * torch.sigmoid(gate.float())
-        return x32.to(dtype)
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The norm in `dtype` (default x's), of `x` rounded to `dtype` first."""
+        return gated_rms_norm(x, gate, self.weight, self.eps, dtype or x.dtype)
 
 
 class GatedMLP(nn.Module):

@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from splitserve.engine.forward_batch import ForwardBatch, TokenGroup
+from splitserve.engine.forward_batch import ForwardBatch
 from splitserve.engine.model.layers import RMSNorm
 from splitserve.engine.model_config import KimiLinearModelConfig
-from splitserve.engine.ops.paged_mla import paged_mla_attention
+from splitserve.engine.ops.paged_mla import mla_backend, paged_mla_torch, write_kv
+from splitserve.engine.ops.triton_kernel import kernel_or_torch
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -56,20 +57,52 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
-        kv_pool[batch.slot_mapping] = torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)
+        norm = self.kv_a_layernorm
+        write_kv(self.kv_a_proj_with_mqa(x), norm.weight, norm.eps, kv_pool, batch.slot_mapping)
         # absorb W_uk into the query: [T, H, nope] x [H, nope, rank] -> [T, H, rank]
         q_latent = torch.einsum("thn,hnr->thr", q[..., : self.nope_dim], self.w_uk)
-        q_full = torch.cat([q_latent, q[..., self.nope_dim :]], dim=-1)  # [T, H, rank + rope]
-        out_latent = torch.empty(x.shape[0], self.num_heads, self.rank, dtype=x.dtype, device=x.device)
+        q_rope = q[..., self.nope_dim :]
+        if mla_backend(kv_pool.device) == "triton":
+            out = kernel_or_torch(
+                "paged_mla",
+                lambda: self._attend_triton(q_latent, q_rope, batch, kv_pool),
+                lambda: self._attend_torch(q_latent, q_rope, batch, kv_pool),
+            )
+        else:
+            out = self._attend_torch(q_latent, q_rope, batch, kv_pool)
+        return self.o_proj(out)
+
+    def _attend_torch(
+        self, q_latent: torch.Tensor, q_rope: torch.Tensor, batch: ForwardBatch, kv_pool: torch.Tensor
+    ) -> torch.Tensor:
+        q_full = torch.cat([q_latent, q_rope], dim=-1)  # [T, H, rank + rope]
+        out_latent = torch.empty(
+            q_full.shape[0], self.num_heads, self.rank, dtype=q_full.dtype, device=q_full.device
+        )
         for group in (batch.single, batch.multi):
             if group is not None:
-                self._attend(q_full, group, kv_pool, out_latent)
+                paged_mla_torch(q_full, kv_pool, group, self.rank, self.scale, out_latent)
         out = torch.einsum("thr,hvr->thv", out_latent, self.w_uv)
-        return self.o_proj(out.reshape(-1, self.num_heads * self.v_dim))
+        return out.reshape(-1, self.num_heads * self.v_dim)
 
-    def _attend(
-        self, q_full: torch.Tensor, group: TokenGroup, kv_pool: torch.Tensor, out_latent: torch.Tensor
-    ) -> None:
-        # Triton on CUDA (reads the pool through kv_index), the torch reference elsewhere
-        paged_mla_attention(q_full, kv_pool, group, self.rank, self.scale, out_latent)
+    def _attend_triton(
+        self, q_latent: torch.Tensor, q_rope: torch.Tensor, batch: ForwardBatch, kv_pool: torch.Tensor
+    ) -> torch.Tensor:
+        """The kernels read the query's parts where they are and write the attention output head-major,
+        which the absorbed W_uv reads as a batched matmul straight into o_proj's input layout: no copies."""
+        from splitserve.engine.ops.paged_mla_triton import paged_mla_triton_split
+
+        tokens, heads = q_latent.shape[0], self.num_heads
+        dev, dtype = q_latent.device, q_latent.dtype
+        out_latent = torch.empty(heads, tokens, self.rank, dtype=dtype, device=dev).transpose(0, 1)
+        for group in (batch.single, batch.multi):
+            if group is not None:
+                paged_mla_triton_split(q_latent, q_rope, kv_pool, group, self.scale, out_latent)
+        out = torch.empty(tokens, heads * self.v_dim, dtype=dtype, device=dev)
+        # [H, T, rank] x [H, rank, v] -> [H, T, v], written as the [T, H * v] rows o_proj reads
+        torch.bmm(
+            out_latent.transpose(0, 1),
+            self.w_uv.transpose(1, 2),
+            out=out.view(tokens, heads, -1).transpose(0, 1),
+        )
+        return out

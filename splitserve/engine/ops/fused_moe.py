@@ -7,20 +7,22 @@ program), then `h w2` times the routing weight into [P, H]; a token's `k` rows a
 The launch grid is sized from the upper bound on padded rows, so nothing waits for the host
 (blocks past the end exit at once) and the whole call can be captured in a CUDA graph.
 
-`triton` is imported only when a kernel is first used: a node without it runs the torch path.
-Set `TRITON_INTERPRET=1` before the first import to run the kernel on CPU tensors (tests).
+The kernels live in ops/fused_moe_triton.py, imported only when one is first used: a node without
+triton runs the torch path. Set `TRITON_INTERPRET=1` before the first import to run them on CPU
+tensors (tests).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
-from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
-logger = logging.getLogger(__name__)
+from splitserve.engine.ops.backend import choose_backend
+from splitserve.engine.ops.triton_kernel import kernel_or_torch
+
+BACKEND_ENV = "SPLITSERVE_MOE_BACKEND"
 
 
 @functools.cache
@@ -31,6 +33,11 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def moe_backend(device: torch.device) -> str:
+    """`triton` on a CUDA device with triton installed, else `torch`; the env var overrides."""
+    return choose_backend(BACKEND_ENV, "triton", triton_available(), "pip install triton", device)
 
 
 def align_by_expert(
@@ -65,30 +72,35 @@ def align_by_expert(
 # `fused_moe` aligns with one Triton launch instead of ~20 torch ops (each a launch, ~50 us of host
 # time eagerly and a few us of device time in a graph) while pairs x experts (rounded up to a power of
 # two) stays under this: each of its programs compares every pair with every expert, which stops
-# paying for large prefill steps (the torch ops' sort scales better there).
-ALIGN_KERNEL_MAX_WORK = 1 << 17
-_align_kernel_failed = False
+# paying for large prefill steps (the torch ops' sort scales better there). 2^20 covers decode of
+# Kimi-Linear-48B (256 experts top-8 and a shared one: 512 x 9 per token) up to ~220 rows; at the
+# limit all programs together make ~0.5 G compares, ~10 us on an H200 by arithmetic (not measured).
+ALIGN_KERNEL_MAX_WORK = 1 << 20
 
 
 def align_by_expert_triton(
     expert_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`align_by_expert`'s exact result from two fills and one launch (one program per expert: it
-    counts every expert's pairs, so it knows where its padded run starts, then writes its pairs in
-    order and its blocks' expert id); no host sync, so a CUDA graph can hold it."""
+    """`align_by_expert`'s exact result from one launch (one program per expert: it counts every
+    expert's pairs, so it knows where its padded run starts, then writes its pairs in order, its
+    padding and its blocks' expert id; the last one also marks the blocks past every run empty); no
+    host sync, so a CUDA graph can hold it."""
     import triton
 
     flat = expert_ids.reshape(-1).contiguous()
     num_pairs, dev = flat.numel(), flat.device
     num_blocks = -(-(num_pairs + num_experts * (block_m - 1)) // block_m)
-    sorted_pairs = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.long, device=dev)
-    block_expert = torch.full((num_blocks,), -1, dtype=torch.long, device=dev)
+    sorted_pairs = torch.empty(num_blocks * block_m, dtype=torch.long, device=dev)
+    block_expert = torch.empty(num_blocks, dtype=torch.long, device=dev)
     block_e = triton.next_power_of_2(num_experts)
-    _align_kernel()[(num_experts,)](
+    from splitserve.engine.ops.fused_moe_triton import ALIGN
+
+    ALIGN[(num_experts,)](
         flat,
         sorted_pairs,
         block_expert,
         num_pairs,
+        num_blocks,
         BLOCK_M=block_m,
         BLOCK_P=max(16, 8192 // block_e),
         BLOCK_E=block_e,
@@ -98,76 +110,123 @@ def align_by_expert_triton(
 
 def _align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton alignment for small calls, the torch one otherwise or once the kernel failed to build."""
-    global _align_kernel_failed
     work = expert_ids.numel() * (1 << (num_experts - 1).bit_length())
-    if work <= ALIGN_KERNEL_MAX_WORK and not _align_kernel_failed:
-        try:
-            return align_by_expert_triton(expert_ids, num_experts, block_m)
-        except Exception:  # a build error costs launches, not the step: the torch path is exact too
-            logger.exception("the MoE alignment kernel failed; aligning with torch ops from now on")
-            _align_kernel_failed = True
+    if work <= ALIGN_KERNEL_MAX_WORK:
+        return kernel_or_torch(
+            "moe_align",
+            lambda: align_by_expert_triton(expert_ids, num_experts, block_m),
+            lambda: align_by_expert(expert_ids, num_experts, block_m),
+        )
     return align_by_expert(expert_ids, num_experts, block_m)
 
 
+@dataclass(frozen=True)
+class SharedExperts:
+    """A layer's always-on shared MLP, run by the routed experts' kernels as `num` extra experts of the
+    routed intermediate size: `gate_up` [2 * num * I, H] (gate rows, then up rows) and `down` [H, num * I].
+    Shared expert `j` is intermediate slice `j` (a SwiGLU MLP is the sum of its slices' MLPs)."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    num: int
+
+
 def fused_moe(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    expert_ids: torch.Tensor,
+    shared: SharedExperts | None = None,
 ) -> torch.Tensor:
-    """Same contract as `moe_experts_torch`: x [T, H], w13 [E, 2I, H], w2 [E, H, I] -> [T, H]."""
+    """Same contract as `moe_experts_torch`: x [T, H], w13 [E, 2I, H], w2 [E, H, I] -> [T, H]. With
+    `shared`, ids E.. E + shared.num - 1 name the shared experts (the router appends them, weight 1):
+    the shared MLP and the routed experts then cost the same launches as the routed ones alone."""
     num_tokens, top_k = expert_ids.shape
-    num_experts, two_i, hidden = w13.shape
+    num_routed, two_i, hidden = w13.shape
     inter = two_i // 2
+    num_experts = num_routed + (shared.num if shared is not None else 0)
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(x)
     block_m = 16 if num_pairs <= 16 * num_experts else 64
     sorted_pairs, block_expert = _align(expert_ids, num_experts, block_m)
     x = x.contiguous()
+    plan = _Plan(sorted_pairs, block_expert, num_pairs, num_routed, block_m)
+    shared_w13 = shared_w2 = None
+    if shared is not None:  # slice j: gate rows j*I.. (its up rows num*I further), down columns j*I..
+        row = shared.gate_up.stride(0)
+        shared_w13 = _SharedSlices(shared.gate_up, inter * row, shared.num * inter * row)
+        shared_w2 = _SharedSlices(shared.down, inter, 0)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    _launch(x, w13, h, sorted_pairs, block_expert, num_pairs, inter, hidden, top_k, block_m, None)
+    _launch(x, w13, h, plan, inter, hidden, top_k, None, shared_w13)
     per_choice = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # rounded as the reference
     flat_weights = weights.reshape(-1).float().contiguous()
-    _launch(h, w2, per_choice, sorted_pairs, block_expert, num_pairs, hidden, inter, 1, block_m, flat_weights)
+    _launch(h, w2, per_choice, plan, hidden, inter, 1, flat_weights, shared_w2)
     return per_choice.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A call's pairs aligned by expert, and how many of its experts are routed."""
+
+    sorted_pairs: torch.Tensor
+    block_expert: torch.Tensor
+    num_pairs: int
+    num_routed: int
+    block_m: int
+
+
+@dataclass(frozen=True)
+class _SharedSlices:
+    """Where shared expert `j`'s weights start (`weight` + j * step) and its up rows (+ up, gated only)."""
+
+    weight: torch.Tensor
+    step: int
+    up: int
 
 
 def _launch(
     a: torch.Tensor,
     w: torch.Tensor,
     out: torch.Tensor,
-    sorted_pairs: torch.Tensor,
-    block_expert: torch.Tensor,
-    num_pairs: int,
+    plan: _Plan,
     n: int,
     k: int,
     rows_per_a: int,
-    block_m: int,
     pair_weights: torch.Tensor | None,
+    shared: _SharedSlices | None,
 ) -> None:
     """`out[p] = f(a[p // rows_per_a] @ w[e(p)].T)`; gated (w holds gate; up) when no weights given."""
     import triton
 
-    kernel = _kernel()
+    from splitserve.engine.ops.fused_moe_triton import GROUPED_GEMM
+
+    assert w.stride(2) == 1 and (shared is None or shared.weight.stride(1) == 1)
     block_n, block_k = 64, 64
-    grid = (block_expert.numel(), triton.cdiv(n, block_n))
-    gated = pair_weights is None
-    kernel[grid](
+    grid = (plan.block_expert.numel(), triton.cdiv(n, block_n))
+    GROUPED_GEMM[grid](
         a,
         w,
+        w if shared is None else shared.weight,
         out,
-        sorted_pairs,
-        block_expert,
+        plan.sorted_pairs,
+        plan.block_expert,
         out if pair_weights is None else pair_weights,
-        num_pairs,
+        plan.num_pairs,
+        plan.num_routed,
         n,
         k,
         a.stride(0),
         w.stride(0),
         w.stride(1),
-        w.stride(2),
+        0 if shared is None else shared.step,
+        w.stride(1) if shared is None else shared.weight.stride(0),
+        0 if shared is None else shared.up,
         out.stride(0),
         ROWS_PER_A=rows_per_a,
-        GATED=gated,
-        BLOCK_M=block_m,
+        GATED=pair_weights is None,
+        BLOCK_M=plan.block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
@@ -175,109 +234,14 @@ def _launch(
     )
 
 
-@functools.cache
-def _kernel() -> Callable[..., Any]:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def grouped_gemm(
-        a_ptr,
-        w_ptr,
-        out_ptr,
-        sorted_pairs_ptr,
-        block_expert_ptr,
-        pair_weights_ptr,
-        num_pairs,
-        n,
-        k,
-        stride_a,
-        stride_we,
-        stride_wn,
-        stride_wk,
-        stride_out,
-        ROWS_PER_A: tl.constexpr,
-        GATED: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
-    ):
-        expert = tl.load(block_expert_ptr + tl.program_id(0))
-        if expert >= 0:
-            offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-            pairs = tl.load(sorted_pairs_ptr + offs_m)
-            row_ok = pairs < num_pairs
-            a_rows = pairs // ROWS_PER_A
-            offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            col_ok = offs_n < n
-            offs_k = tl.arange(0, BLOCK_K)
-            w_base = w_ptr + expert.to(tl.int64) * stride_we
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, k, BLOCK_K):
-                k_ok = (k0 + offs_k) < k
-                a = tl.load(
-                    a_ptr + a_rows[:, None] * stride_a + (k0 + offs_k)[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0,
-                )
-                w_offs = offs_n[None, :] * stride_wn + (k0 + offs_k)[:, None] * stride_wk
-                w_mask = k_ok[:, None] & col_ok[None, :]
-                w_tile = tl.load(w_base + w_offs, mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
-                acc = tl.dot(a, w_tile, acc, input_precision=DOT_PRECISION)
-                if GATED:
-                    up_tile = tl.load(w_base + n * stride_wn + w_offs, mask=w_mask, other=0.0)
-                    acc_up = tl.dot(a, up_tile, acc_up, input_precision=DOT_PRECISION)
-            if GATED:
-                acc = acc * tl.sigmoid(acc) * acc_up
-            else:
-                acc = acc * tl.load(pair_weights_ptr + pairs, mask=row_ok, other=0.0)[:, None]
-            tl.store(
-                out_ptr + pairs[:, None] * stride_out + offs_n[None, :],
-                acc.to(out_ptr.dtype.element_ty),
-                mask=row_ok[:, None] & col_ok[None, :],
-            )
-
-    return grouped_gemm
-
-
-@functools.cache
-def _align_kernel() -> Callable[..., Any]:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def align(
-        expert_ids_ptr,
-        sorted_pairs_ptr,
-        block_expert_ptr,
-        num_pairs,
-        BLOCK_M: tl.constexpr,
-        BLOCK_P: tl.constexpr,
-        BLOCK_E: tl.constexpr,
-    ):
-        expert = tl.program_id(0)
-        offs_e = tl.arange(0, BLOCK_E)
-        counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-        for p0 in range(0, num_pairs, BLOCK_P):
-            offs = p0 + tl.arange(0, BLOCK_P)
-            ids = tl.load(expert_ids_ptr + offs, mask=offs < num_pairs, other=-1)
-            counts += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
-        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        start = tl.sum(tl.where(offs_e < expert, padded, 0))  # where this expert's padded run begins
-        num_blocks = tl.sum(tl.where(offs_e == expert, padded, 0)) // BLOCK_M
-        seen = 0
-        for p0 in range(0, num_pairs, BLOCK_P):  # this expert's pairs, in pair order (a stable sort)
-            offs = p0 + tl.arange(0, BLOCK_P)
-            ids = tl.load(expert_ids_ptr + offs, mask=offs < num_pairs, other=-1)
-            mine = (ids == expert).to(tl.int32)
-            rank = seen + tl.cumsum(mine, axis=0) - 1
-            tl.store(sorted_pairs_ptr + start + rank, offs.to(tl.int64), mask=mine > 0)
-            seen += tl.sum(mine, axis=0)
-        for b0 in range(0, num_blocks, BLOCK_M):
-            offs_b = b0 + tl.arange(0, BLOCK_M)
-            value = tl.zeros([BLOCK_M], dtype=tl.int64) + expert
-            tl.store(block_expert_ptr + start // BLOCK_M + offs_b, value, mask=offs_b < num_blocks)
-
-    return align
+def warm_up(
+    w13: torch.Tensor, w2: torch.Tensor, top_k: int, shared: SharedExperts | None, num_rows: int
+) -> None:
+    """Launch the alignment and both grouped GEMMs once for `num_rows` tokens with these experts (each
+    token on experts 0..k-1 and the shared ones), at the block size that many rows take."""
+    num_routed, hidden, dev = w13.shape[0], w13.shape[2], w13.device
+    num_shared = shared.num if shared is not None else 0
+    ids = torch.cat([torch.arange(top_k), num_routed + torch.arange(num_shared)]).to(dev)
+    ids = ids.expand(num_rows, -1).contiguous()
+    weights = torch.ones(ids.shape, device=dev)
+    fused_moe(torch.zeros(num_rows, hidden, dtype=w13.dtype, device=dev), w13, w2, weights, ids, shared)

@@ -11,6 +11,9 @@ elsewhere the torch reference gathers one copy of each row's context (shared by 
 repeated per head) and runs torch's fused attention on it, with a per-row causal mask built
 per query chunk from `query_pos`: no [rows, heads * tokens, context] score matrix exists.
 `SPLITSERVE_MLA_BACKEND=torch|triton` overrides the choice (benchmarks, debugging).
+
+`write_kv` puts a step's new tokens into the pool (the latent RMS-normalised, then the rope key
+part): the torch reference's norm, concatenation and scatter, or one Triton launch.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import torch.nn.functional as F
 
 from splitserve.engine.forward_batch import TokenGroup
 from splitserve.engine.ops.backend import choose_backend, importable
+from splitserve.engine.ops.norms import rms_norm_torch
+from splitserve.engine.ops.triton_kernel import kernel_or_torch
 
 # The largest per-chunk attention mask the torch path builds ([rows, chunk, context], bool + fp32).
 MASK_BUDGET_BYTES = 64 << 20
@@ -34,6 +39,29 @@ def triton_available() -> bool:
 def mla_backend(device: torch.device) -> str:
     """`triton` on a CUDA device with triton installed, else `torch`; the env var overrides."""
     return choose_backend(BACKEND_ENV, "triton", triton_available(), "pip install triton", device)
+
+
+def write_kv_torch(
+    kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, kv_pool: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """`kv_pool[slot_mapping] = [rms_norm(latent), k_rope]` for kv [T, rank + rope] = (latent, k_rope)."""
+    latent, k_rope = kv.split([norm_weight.shape[0], kv.shape[1] - norm_weight.shape[0]], dim=-1)
+    kv_pool[slot_mapping] = torch.cat([rms_norm_torch(latent, norm_weight, eps), k_rope], dim=-1)
+
+
+def write_kv(
+    kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, kv_pool: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """`write_kv_torch` by the chosen backend."""
+    if mla_backend(kv_pool.device) == "torch":
+        return write_kv_torch(kv, norm_weight, eps, kv_pool, slot_mapping)
+    from splitserve.engine.ops.paged_mla_triton import write_kv_triton
+
+    kernel_or_torch(
+        "mla_write_kv",
+        lambda: write_kv_triton(kv, norm_weight, eps, kv_pool, slot_mapping),
+        lambda: write_kv_torch(kv, norm_weight, eps, kv_pool, slot_mapping),
+    )
 
 
 def paged_mla_attention(
@@ -105,6 +133,8 @@ def _shared_mask(group: TokenGroup, positions: torch.Tensor, dtype: torch.dtype)
     mask = group.derived.get(key)
     if mask is None:
         hidden = positions.view(1, 1, -1) > group.query_pos.unsqueeze(-1)  # [B, L, K]
-        mask = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(hidden, float("-inf"))
+        mask = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(
+            hidden, float("-inf")
+        )
         mask = group.derived[key] = mask.unsqueeze(1)
     return mask
