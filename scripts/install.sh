@@ -30,7 +30,9 @@ if [ "$wants_torch" = 1 ] && ! python -c "import torch" >/dev/null 2>&1; then
   elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     pip install --quiet "$torch"
   else
-    pip install --quiet --index-url https://download.pytorch.org/whl/cpu "$torch"
+    # a local CPU wheel where one is (pip's configured find-links), else PyTorch's CPU index
+    pip install --quiet "torch==2.13.0" 2>/dev/null \
+      || pip install --quiet --index-url https://download.pytorch.org/whl/cpu "$torch"
   fi
 fi
 stamp="$venv/.splitserve-installed$extras"
