@@ -18,6 +18,9 @@ from splitserve.engine.cuda_graph_plan import plan_decode_padding
 from splitserve.engine.loader import load_model
 from splitserve.engine.model_config import KimiLinearModelConfig
 from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.parallel.commands import AbortRequest, AddRequest, FinishRequest, PromptLogits, Step
+from splitserve.engine.parallel.group import SINGLE, TensorParallel
+from splitserve.engine.parallel.ranks import RankProcesses, rank_config
 from splitserve.engine.prefix_cache import ImportedPrefix, PrefixCacheStats, PrefixEvent, RetainedPrefix
 from splitserve.engine.prefix_cache.cache import PrefixCache, make_prefix_cache
 from splitserve.engine.prefix_cache.match import find_hit
@@ -58,10 +61,35 @@ class RequestUpdate:
 
 
 class LLMEngine:
-    """Owns one model replica, its caches, scheduler and sampler; not thread-safe (one driver)."""
+    """Owns one model replica, its caches, scheduler and sampler; not thread-safe (one driver).
 
-    def __init__(self, config: EngineConfig) -> None:
+    With `tensor_parallel_size` N > 1 this engine is rank 0 of N: it starts ranks 1..N-1 as
+    processes (engine/parallel/), each an `LLMEngine` of its own over its shard, and forwards every
+    call that changes state to them (`parallel/commands.py`); it alone samples. `shutdown()` (or
+    the engine being dropped, or the interpreter leaving) ends them. A rank's engine is built with
+    its `tp` given and forwards nothing.
+    """
+
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
+        self.ranks: RankProcesses | None = None
+        if tp is None and config.tensor_parallel_size > 1:
+            config = rank_config(config, 0)
+            self.ranks, tp = RankProcesses.launch(config)
+        try:
+            self._build(config, tp or SINGLE)
+            if self.ranks is not None:
+                self.ranks.wait_ready()
+        except BaseException as exc:
+            if self.ranks is not None:  # a rank's own error says more than the driver's broken collective
+                failures = self.ranks.failures()
+                self.ranks.close()
+                if failures and not isinstance(exc, KeyboardInterrupt):
+                    raise RuntimeError("a rank failed to start:\n" + "\n".join(failures)) from exc
+            raise
+
+    def _build(self, config: EngineConfig, tp: TensorParallel) -> None:
         self.config = config
+        self.tp = tp
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         path = Path(config.model).expanduser()
@@ -72,7 +100,7 @@ class LLMEngine:
         self.device = torch.device(config.device)
         dtype = getattr(torch, config.dtype)  # EngineConfig.dtype is a torch dtype name
         context_len(mc, config)  # a max_model_len beyond the checkpoint's fails before the weights load
-        self.model = load_model(mc, path, dtype, self.device)
+        self.model = load_model(mc, path, dtype, self.device, tp)
         self.plan, self.max_model_len = self._plan_cache()
         # decode batches padded to a CUDA graph's bucket (None: as before) use a scratch block and slot
         self.padding = plan_decode_padding(
@@ -100,6 +128,7 @@ class LLMEngine:
             self.device,
             self.padding,
             self.max_model_len,
+            tp,
         )
         self.requests: dict[str, Request] = {}
         self._sinks: dict[str, TransferSink] = {}  # reserved requests' state, written from any thread
@@ -127,6 +156,7 @@ class LLMEngine:
         budget, why = config.kv_cache_memory_bytes, None
         if budget is None:
             budget, why = default_kv_cache_bytes(mc, config, self.device)
+            budget = self.tp.min_over_ranks(budget)  # every rank plans the same blocks and slots
         try:
             plan, max_model_len = plan_cache(mc, config, budget)
         except ValueError as exc:
@@ -157,6 +187,7 @@ class LLMEngine:
         prefix_hashes: list[bytes] | None = None,
         imported_prefix: ImportedPrefix | None = None,
         output_token_ids: list[int] | None = None,
+        prefill_only: bool = False,
     ) -> Request:
         """Validate and queue; raises ValueError naming what is wrong with the request.
 
@@ -173,13 +204,25 @@ class LLMEngine:
         "handoff" unless that token already ended it) and `export` receives its state as it becomes
         final: each prompt chunk's MLA rows as that chunk finishes each MLA layer, the KDA states as
         the final chunk finishes each KDA layer. It runs on the engine thread: queue, do not send.
-        A preempted request recomputes and exports its rows again.
+        A preempted request recomputes and exports its rows again. `prefill_only` without `export`:
+        the same end after the first token, nothing exported (a tensor-parallel rank's copy).
         """
+        if self.ranks is not None:
+            if export is not None or imported_prefix is not None:
+                raise ValueError(
+                    "a tensor-parallel engine does not hand off or import state yet: its state chunks "
+                    "need head ranges (issue 26, part 3); serve this request at tensor_parallel_size 1"
+                )
+            self.ranks.send(
+                AddRequest(
+                    request_id, list(prompt_token_ids), params, prefill_only, prefix_hashes, output_token_ids
+                )
+            )
         request = self._new_request(request_id, prompt_token_ids, params, prompt)
         if output_token_ids:
             request.output_token_ids = self._resumed_outputs(request, output_token_ids)
             request.num_given_output_tokens = len(request.output_token_ids)
-        request.prefill_only = export is not None
+        request.prefill_only = export is not None or prefill_only
         request.export = export
         if self.prefix_cache is not None:
             self.prefix_cache.check_request(request, prefix_hashes, imported_prefix)
@@ -210,6 +253,11 @@ class LLMEngine:
     def reserve_transfer(self, request_id: str, num_prompt_tokens: int) -> bool:
         """Hold a slot and KV blocks for a prompt of `num_prompt_tokens` whose state another engine
         computes. False when there is no room now (the caller retries elsewhere or later)."""
+        if self.tp.size > 1:
+            raise ValueError(
+                "a tensor-parallel engine does not take handed-off state yet: its state chunks need head "
+                "ranges (issue 26, part 3); run decode at tensor_parallel_size 1"
+            )
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
         if not 0 < num_prompt_tokens < self.max_model_len:
@@ -299,33 +347,54 @@ class LLMEngine:
         return ids
 
     def prompt_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:
-        """Logits [L, vocab] (fp32) at every prompt position, computed chunk by chunk like a prefill."""
+        """Logits [L, vocab] (fp32) at every prompt position, computed chunk by chunk like a prefill
+        (on rank 0; another rank of a tensor-parallel engine computes its part and returns nothing)."""
+        if self.ranks is not None:
+            self.ranks.send(PromptLogits(list(prompt_token_ids)))
         request = Request("__score__", self.validate_prompt(prompt_token_ids), SamplingParams(), 1, -1)
         scheduler = self.scheduler
         request.state_slot = scheduler.slots.allocate()
         if request.state_slot is None:
             raise RuntimeError("no free state slot to score with; wait for running requests to finish")
         try:
-            pieces = []
+            pieces: list[torch.Tensor] = []
             while request.num_computed_tokens < request.num_tokens:
                 num_new = min(
                     request.num_tokens - request.num_computed_tokens, self.config.max_num_batched_tokens
                 )
                 if not scheduler.reserve_blocks(request, num_new):
                     raise RuntimeError("not enough free KV blocks to score this prompt now")
-                pieces.append(self.runner.chunk_logits(ScheduledRequest(request, num_new)))
+                logits = self.runner.chunk_logits(ScheduledRequest(request, num_new))
+                if logits is not None:  # None on a rank past the first: rank 0 gathers the vocabulary
+                    pieces.append(logits)
                 request.num_computed_tokens += num_new
-            return torch.cat(pieces)
+            return torch.cat(pieces) if pieces else torch.empty(0)
         finally:
             scheduler.release(request)
 
     def abort_request(self, request_id: str) -> None:
+        if self.ranks is not None:
+            self.ranks.send(AbortRequest(request_id))
         sink = self._sinks.pop(request_id, None)
         if sink is not None:
             sink.close()  # waits out a piece being written, so its room is freed only after
         request = self.requests.pop(request_id, None)
         if request is not None and not request.finished:
             self.scheduler.finish(request, "abort")
+
+    def finish_request(self, request_id: str, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a request the caller decided is done (a stop string it found in the text): its tokens
+        so far are its output; unknown or finished ids are ignored."""
+        if self.ranks is not None:
+            self.ranks.send(FinishRequest(request_id, reason, stop_reason))
+        request = self.requests.pop(request_id, None)
+        if request is not None and not request.finished:
+            self.scheduler.finish(request, reason, stop_reason)
+
+    def shutdown(self) -> None:
+        """End the other ranks' processes (a tensor-parallel engine); nothing to do with one rank."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def set_replay_listener(self, fn: ReplayListener | None) -> None:
         """`fn` hears a `ReplayPublish` each time a decoding request's slot folds a full window
@@ -384,6 +453,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestUpdate]:
         """Run one scheduled batch; return the requests that got tokens (finished ones included)."""
+        if self.ranks is not None:
+            self.ranks.send(Step())
         output = self.scheduler.schedule()
         if not output.scheduled:
             return []

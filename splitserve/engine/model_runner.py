@@ -14,8 +14,9 @@ from splitserve.engine.cuda_graph_plan import DecodePadding
 from splitserve.engine.forward_batch import ForwardBatch, TokenGroup
 from splitserve.engine.host_pack import HostPack, block_tables, long_tensor
 from splitserve.engine.model.kimi_linear import KimiLinearForCausalLM, LayerCaches
+from splitserve.engine.parallel.group import SINGLE, TensorParallel
 from splitserve.engine.request import Request
-from splitserve.engine.sampler import Sampler, SamplingRow
+from splitserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from splitserve.engine.scheduler import ScheduledRequest
 from splitserve.engine.state_transfer import extract_kda, extract_mla_rows, token_rows
 
@@ -47,8 +48,10 @@ class ModelRunner:
         device: torch.device,
         padding: DecodePadding | None = None,
         max_model_len: int | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         self.model = model
+        self.tp = tp
         self.caches = caches
         self.sampler = sampler
         self.block_size = block_size
@@ -92,13 +95,28 @@ class ModelRunner:
             hidden = self.model(batch, self.caches)
         if not sampling:
             return StepResult({}, {})
-        rows = [
-            SamplingRow(s.request.params, s.request.prompt_token_ids, s.request.output_token_ids)
-            for s in sampling
-        ]
+        if self.tp.size > 1:
+            return self._sample_on_first_rank(sampling, hidden)
+        rows = _sampling_rows(sampling)
         self.sampler.prepare(rows)  # seeded rows' host-drawn noise, while the forward runs on the device
         logits = self.model.compute_logits(hidden)
         out = self.sampler(logits, rows)
+        return self._result(sampling, out)
+
+    def _sample_on_first_rank(self, sampling: list[ScheduledRequest], hidden: torch.Tensor) -> StepResult:
+        """Tensor parallel: each rank's slice of the vocabulary's logits is gathered on rank 0, which
+        samples; every rank gets the tokens (its scheduler moves on with them), rank 0 the logprobs."""
+        logits = self.tp.gather_last_dim(self.model.compute_logits(hidden))
+        out = None
+        if logits is not None:
+            rows = _sampling_rows(sampling)
+            self.sampler.prepare(rows)
+            out = self.sampler(logits, rows)
+        token_ids = self.tp.broadcast_ids(out.token_ids if out else None, len(sampling), self.device)
+        return self._result(sampling, out or SamplerOutput(token_ids, None))
+
+    @staticmethod
+    def _result(sampling: list[ScheduledRequest], out: SamplerOutput) -> StepResult:
         ids = {s.request.request_id: t for s, t in zip(sampling, out.token_ids)}
         lps: dict[str, dict[int, float]] = {}
         if out.logprobs is not None:
@@ -142,12 +160,14 @@ class ModelRunner:
         return after_layer
 
     @torch.inference_mode()
-    def chunk_logits(self, chunk: ScheduledRequest) -> torch.Tensor:
-        """Logits of every token of one chunk (scoring / prompt logprobs), caches updated as usual."""
+    def chunk_logits(self, chunk: ScheduledRequest) -> torch.Tensor | None:
+        """Logits of every token of one chunk (scoring / prompt logprobs), caches updated as usual
+        (None on a tensor-parallel rank but the first: rank 0 gathers them)."""
         single, multi = ([chunk], []) if chunk.num_new_tokens == 1 else ([], [chunk])
         batch = self.build_batch(single, multi)
         batch.logits_indices = torch.arange(batch.num_tokens, device=self.device)
-        return self.model.compute_logits(self.model(batch, self.caches))
+        logits = self.model.compute_logits(self.model(batch, self.caches))
+        return logits if self.tp.size == 1 else self.tp.gather_last_dim(logits)
 
     def build_batch(
         self, singles: list[ScheduledRequest], multis: list[ScheduledRequest], num_padding: int = 0
@@ -217,6 +237,13 @@ class ModelRunner:
             table_id,
             valid_id,
         )
+
+
+def _sampling_rows(sampling: list[ScheduledRequest]) -> list[SamplingRow]:
+    return [
+        SamplingRow(s.request.params, s.request.prompt_token_ids, s.request.output_token_ids)
+        for s in sampling
+    ]
 
 
 @dataclass
