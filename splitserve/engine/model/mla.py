@@ -58,7 +58,8 @@ class MultiHeadLatentAttention(nn.Module):
 
     def finalize(self) -> None:
         if self.tp.rank and self.o_proj.bias is not None:
-            self.o_proj.bias.zero_()  # the ranks' outputs are summed: rank 0 alone adds the bias
+            with torch.no_grad():
+                self.o_proj.bias.zero_()  # the ranks' outputs are summed: rank 0 alone adds the bias
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.rank)
         self.w_uk = w[:, : self.nope_dim].contiguous()
         self.w_uv = w[:, self.nope_dim :].contiguous()

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from splitserve.engine.model_config import KimiLinearModelConfig
+from splitserve.engine.parallel.layout import check_splits
 from splitserve.engine.parallel.shard import Shard
 
 
@@ -45,19 +46,7 @@ class TensorParallel:
     def check_model(self, model: KimiLinearModelConfig) -> None:
         """Raise ValueError naming the first size of `model` the ranks cannot split evenly (before
         any rank process starts, rather than in each of them)."""
-        counts = {
-            "vocab_size": model.vocab_size,
-            "num_attention_heads": model.num_attention_heads,
-            "linear_num_heads": model.linear_num_heads,
-            "intermediate_size": model.intermediate_size,
-            "the shared experts' intermediate size": model.moe_intermediate_size * model.n_shared_experts,
-        }
-        if self.expert_parallel:
-            counts["num_local_experts (expert_parallel)"] = model.num_local_experts
-        else:
-            counts["moe_intermediate_size"] = model.moe_intermediate_size
-        for what, count in counts.items():
-            self.split(count, what)
+        check_splits(model, self.size, self.expert_parallel)
 
     def shard(self, dim: int, parts: int = 1) -> Shard | None:
         """The cut a parameter split along `dim` keeps on this rank (None: whole, as with one rank)."""
