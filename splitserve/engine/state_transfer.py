@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.model.kimi_linear import LayerCaches
-from splitserve.state import StateKind
+from splitserve.state import HeadRange, StateKind
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,8 @@ class LayerState:
     token_start: int
     token_end: int
     num_prompt_tokens: int | None = None  # None: token_end (the piece ends the prompt)
+    # a tensor-parallel rank's share of a KDA state's heads (engine/parallel/heads.py); None: every head
+    heads: HeadRange | None = None
 
     @property
     def prompt_len(self) -> int:
