@@ -11,11 +11,12 @@ to it (every rank holds every token; the experts' outputs ride in the MoE sublay
 last column is what dispatch + combine by all-to-all would move per token instead, had attention
 been data parallel (not built).
 
-`--measure`: the offline engine on this machine at TP 1, TP 2 and TP 2 with expert parallelism on
-the `--preset` tiny model (fp32, built in a temp folder): seconds to start, prefill tokens/s
-(`--prompts` prompts of `--prompt-tokens`, one token each) and decode tokens/s (the same prompts,
-`--max-tokens` more), the median of `--repeats`, and whether the greedy tokens equal TP 1's. Ranks
-are processes sharing this machine's cores (each gets cores / N threads).
+`--measure`: the offline engine on this machine at TP 1 (torch's threads: every core), TP 1 on one
+thread, TP 2 and TP 2 with expert parallelism (a rank gets cores / 2 threads), on the `--preset`
+tiny model (fp32, built in a temp folder), all started first and run in rotation: seconds to start,
+prefill tokens/s (`--prompts` prompts of `--prompt-tokens`, one token each) and decode tokens/s (the
+same prompts, `--max-tokens` more, less the prefill), the median of `--repeats`, and whether the
+greedy tokens equal TP 1's.
 """
 
 from __future__ import annotations
@@ -69,6 +70,14 @@ def traffic_table(model: KimiLinearModelConfig, dtype: str, sizes: list[int], de
     return "\n".join("".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
+SETTINGS = (  # (name, tensor_parallel_size, expert_parallel, num_threads per rank: None = cores / ranks)
+    ("TP 1", 1, False, None),
+    ("TP 1, 1 thread", 1, False, 1),
+    ("TP 2", 2, False, None),
+    ("TP 2 + EP", 2, True, None),
+)
+
+
 def measure(args: argparse.Namespace) -> None:
     from splitserve import LLM, SamplingParams
     from splitserve.tiny_model import make_tiny_model
@@ -80,43 +89,46 @@ def measure(args: argparse.Namespace) -> None:
         prompts = [[rng.randrange(vocab) for _ in range(args.prompt_tokens)] for _ in range(args.prompts)]
         prefill = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         decode = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+        engines, start_s = {}, {}
+        try:
+            for name, size, ep, threads in SETTINGS:
+                t0 = time.perf_counter()
+                engines[name] = LLM(
+                    model=str(path),
+                    dtype="float32",
+                    max_model_len=1024,
+                    tensor_parallel_size=size,
+                    expert_parallel=ep,
+                    num_threads=threads,
+                )
+                start_s[name] = time.perf_counter() - t0
+            prefill_s: dict[str, list[float]] = {n: [] for n in engines}
+            total_s: dict[str, list[float]] = {n: [] for n in engines}
+            tokens = {}
+            names = list(engines)
+            for repeat in range(args.repeats):  # rotated, so a busy machine's drift falls on every setting
+                for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+                    llm = engines[name]
+                    t0 = time.perf_counter()
+                    llm.generate(prompt_token_ids=prompts, sampling_params=prefill)
+                    prefill_s[name].append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    outs = llm.generate(prompt_token_ids=prompts, sampling_params=decode)
+                    total_s[name].append(time.perf_counter() - t0)
+                    tokens[name] = [list(o.outputs[0].token_ids) for o in outs]
+        finally:
+            for llm in engines.values():
+                llm.shutdown()
         print(
             f"\n{args.preset}, fp32, {args.prompts} prompts x {args.prompt_tokens} tokens, {args.max_tokens} new"
         )
-        print("setting          start_s  prefill tok/s  decode tok/s  tokens = TP 1")
-        reference = None
-        for size, ep in ((1, False), (2, False), (2, True)):
-            t0 = time.perf_counter()
-            llm = LLM(
-                model=str(path),
-                dtype="float32",
-                max_model_len=1024,
-                tensor_parallel_size=size,
-                expert_parallel=ep,
-            )
-            start_s = time.perf_counter() - t0
-            try:
-                prefill_s, total_s, tokens = [], [], None
-                for _ in range(args.repeats):
-                    t0 = time.perf_counter()
-                    llm.generate(prompt_token_ids=prompts, sampling_params=prefill)
-                    prefill_s.append(time.perf_counter() - t0)
-                    t0 = time.perf_counter()
-                    outs = llm.generate(prompt_token_ids=prompts, sampling_params=decode)
-                    total_s.append(time.perf_counter() - t0)
-                    tokens = [list(o.outputs[0].token_ids) for o in outs]
-            finally:
-                llm.shutdown()
-            reference = reference or tokens
-            p, d = statistics.median(prefill_s), statistics.median(total_s)
+        print("setting           start_s  prefill tok/s  decode tok/s  tokens = TP 1")
+        for name in engines:
+            p, d = statistics.median(prefill_s[name]), statistics.median(total_s[name])
             prefill_rate = args.prompts * args.prompt_tokens / p
-            decode_rate = (
-                args.prompts * (args.max_tokens - 1) / max(d - p, 1e-9)
-            )  # the decode part of the run
-            name = f"TP {size}" + (" + EP" if ep else "")
-            print(
-                f"{name:<16} {start_s:7.1f}  {prefill_rate:13,.0f}  {decode_rate:12,.1f}  {tokens == reference}"
-            )
+            decode_rate = args.prompts * (args.max_tokens - 1) / max(d - p, 1e-9)  # the run less its prefill
+            same = tokens[name] == tokens["TP 1"]
+            print(f"{name:<17} {start_s[name]:7.1f}  {prefill_rate:13,.0f}  {decode_rate:12,.1f}  {same}")
 
 
 def main() -> None:
