@@ -210,8 +210,8 @@ class LLMEngine:
         if self.ranks is not None:
             if export is not None or imported_prefix is not None:
                 raise ValueError(
-                    "a tensor-parallel engine does not hand off or import state yet: its state chunks "
-                    "need head ranges (issue 26, part 3); serve this request at tensor_parallel_size 1"
+                    "a tensor-parallel engine does not hand off or import state yet (its ranks' head-ranged "
+                    "pieces are not wired to the store: issue 26, part 4); use tensor_parallel_size 1 for it"
                 )
             self.ranks.send(
                 AddRequest(
@@ -255,8 +255,8 @@ class LLMEngine:
         computes. False when there is no room now (the caller retries elsewhere or later)."""
         if self.tp.size > 1:
             raise ValueError(
-                "a tensor-parallel engine does not take handed-off state yet: its state chunks need head "
-                "ranges (issue 26, part 3); run decode at tensor_parallel_size 1"
+                "a tensor-parallel engine does not take handed-off state yet (its ranks' head-ranged "
+                "pieces are not wired to the store: issue 26, part 4); run decode at tensor_parallel_size 1"
             )
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
