@@ -13,7 +13,7 @@ from splitserve.worker.actor_base import WorkerActorBase
 if TYPE_CHECKING:  # the engine side is imported where the actor runs, not where it is named
     from decode_worker.replay_publisher import ReplayStorePublisher
     from decode_worker.swap_space import StoreSwapSpace
-    from splitserve.engine.prefix_store.publisher import PrefixPublisher
+    from splitserve.worker.prefix_store.publisher import PrefixPublisher
 
 
 class DecodeWorkerActor(WorkerActorBase):
@@ -28,8 +28,8 @@ class DecodeWorkerActor(WorkerActorBase):
         from decode_worker.replay_publisher import ReplayStorePublisher
         from decode_worker.servicer import DecodeServicer
         from decode_worker.swap_space import attach_store_swap_space
-        from splitserve.engine.prefix_store.publisher import PrefixPublisher
         from splitserve.v1 import decode_pb2_grpc
+        from splitserve.worker.prefix_store.publisher import PrefixPublisher
 
         if not self.store_address:
             raise ValueError("a decode worker needs the address of its node's state store")
@@ -50,6 +50,8 @@ class DecodeWorkerActor(WorkerActorBase):
     def stats(self) -> dict[str, Any]:
         out = super().stats()
         out["worker_id"] = self.worker_id  # the owner of the state it keeps in its store
+        if self.servicer is not None:
+            out["cross_node_transport"] = self.servicer.cross_node_transport
         if self.replay_publisher is not None:  # what keeping state for failover costs
             out["replay"] = dataclasses.asdict(self.replay_publisher.stats)
         if self.swap_space is not None:

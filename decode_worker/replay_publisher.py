@@ -220,7 +220,10 @@ class ReplayStorePublisher:
             held = self._held.get(publish.request_id)
             if held is None:
                 return  # ended while queued
-            key, kda = piece_key(held.state_key, publish.token_start), kda_key(held.state_key, publish.token_start)
+            key, kda = (
+                piece_key(held.state_key, publish.token_start),
+                kda_key(held.state_key, publish.token_start),
+            )
             held.keys += [key, kda]  # before the write: `end` releases even a half-written key
             superseded = list(held.kda_keys) if publish.has_checkpoint else []
             held.kda_keys.append(kda)

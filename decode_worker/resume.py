@@ -42,13 +42,14 @@ logger = logging.getLogger(__name__)
 
 
 def reserve_room(
-    loop: EngineLoop, rid: str, num_tokens: int, context: grpc.ServicerContext
+    loop: EngineLoop, rid: str, num_tokens: int, context: grpc.ServicerContext, num_samples: int = 1
 ) -> TransferSink | None:
-    """Room for the state of `num_tokens` tokens and where to write it; None when there is no
-    room now. A request the engine refuses ends the RPC with INVALID_ARGUMENT."""
+    """Room for the state of `num_tokens` tokens (and `num_samples` samples forked from it) and
+    where to write it; None when there is no room now. A request the engine refuses ends the RPC
+    with INVALID_ARGUMENT."""
     try:
         return loop.call(
-            lambda e: e.transfer_sink(rid) if e.reserve_transfer(rid, num_tokens) else None
+            lambda e: e.transfer_sink(rid) if e.reserve_transfer(rid, num_tokens, num_samples) else None
         ).result(timeout=30)
     except ValueError as exc:
         abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))

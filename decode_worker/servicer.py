@@ -17,15 +17,17 @@ from decode_worker.resume import KeptStreams, reserve_room
 from decode_worker.state_reader import StateReader
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import LLMEngine, RequestUpdate
+from splitserve.engine.parallel_sampling import SampleStart
 from splitserve.engine.transfer_sink import TransferSink
 from splitserve.rpc import abort
+from splitserve.sampling_params import SamplingParams, sample_request_id
 from splitserve.state.client import StateStoreClient
 from splitserve.state.errors import CorruptStateError, StateStoreError
 from splitserve.state.transport import TransportClient, open_client
-from splitserve.v1 import decode_pb2, decode_pb2_grpc
+from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from splitserve.wire import logprobs_from_proto, sampling_params_from_proto
 from splitserve.worker.load import decode_stats
-from splitserve.worker.messages import sampling_params_or_abort
+from splitserve.worker.messages import sample_ids, sampling_params_or_abort
 from splitserve.worker.token_stream import stream_deltas
 
 logger = logging.getLogger(__name__)
@@ -105,11 +107,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 logger.warning("cross-node state comes as gRPC bytes for now: %s", exc)
             return self.transport
 
+    @property
+    def cross_node_transport(self) -> str | None:
+        """How other nodes' state reaches this worker: the transfer engine's name, "grpc" (bytes
+        over gRPC), or None before its first reservation from another node's store."""
+        if not self._transport_checked:
+            return None
+        return self.transport.engine if self.transport is not None else "grpc"
+
     def Reserve(
         self, request: decode_pb2.ReserveRequest, context: grpc.ServicerContext
     ) -> decode_pb2.ReserveResponse:
         rid = request.request_id
-        sink = reserve_room(self.loop, rid, request.num_prompt_tokens, context)
+        sink = reserve_room(self.loop, rid, request.num_prompt_tokens, context, max(1, request.num_samples))
         if sink is None:
             return decode_pb2.ReserveResponse(
                 accepted=False, reject_reason="no free KV blocks or state slots"
@@ -197,6 +207,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self._drop(rid, reader)
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         state_wait_s = time.time() - arrived
+        if request.samples:  # n > 1: the samples fork the state on admission
+            yield from self._decode_samples(request, context, reader, params, state_wait_s)
+            return
         updates: queue.Queue[RequestUpdate] = queue.Queue()
         self.loop.watch(rid, updates.put)
         first_lp = logprobs_from_proto(request.first_logprobs) if request.HasField("first_logprobs") else None
@@ -214,6 +227,46 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self._release(reader)
         yield from self.kept.stream(rid, updates, context, state_wait_s, 1 + len(earlier), kept_in)
 
+    def _decode_samples(
+        self,
+        request: decode_pb2.DecodeRequest,
+        context: grpc.ServicerContext,
+        reader: StateReader,
+        params: SamplingParams,
+        state_wait_s: float,
+    ) -> Iterator[decode_pb2.TokenDelta]:
+        """A Decode of several samples (n > 1) whose prompt state has arrived: the samples their
+        first token did not end join the batch, each forking the one state read (its whole KV
+        blocks shared), and stream on one call, each delta naming its sample. The state is read
+        once for all and released at once: nothing here keeps it for a stored-state resume (a
+        lost sample re-prefills as a request of its own)."""
+        rid, prompt = request.request_id, list(request.prompt_token_ids)
+        starts = [
+            SampleStart(
+                s.token_id,
+                logprobs_from_proto(s.logprobs) if s.HasField("logprobs") else None,
+                finished=s.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED,
+            )
+            for s in request.samples
+        ]
+        live = {i: 1 for i, start in enumerate(starts) if not start.finished}
+        updates: queue.Queue[RequestUpdate] = queue.Queue()
+        for i in live:
+            self.loop.watch(sample_request_id(rid, i), updates.put)
+        try:
+            self.loop.call(lambda e: e.admit_transferred_samples(rid, prompt, params, starts)).result(
+                timeout=30
+            )
+        except (ValueError, KeyError) as exc:
+            for i in live:
+                self.loop.unwatch(sample_request_id(rid, i))
+            self._drop(rid, reader)
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self._release(reader)
+        finished = threading.Event()
+        context.add_callback(lambda: None if finished.is_set() else self._abort_engine(rid))
+        yield from stream_deltas(rid, updates, finished.set, context, state_wait_s, samples=live)
+
     def _decode_whole(
         self, request: decode_pb2.DecodeRequest, context: grpc.ServicerContext
     ) -> Iterator[decode_pb2.TokenDelta]:
@@ -229,7 +282,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         chain = list(request.prefix_hashes) or None  # None: the engine names the prompt itself
         limit = request.max_uncached_tokens
         updates: queue.Queue[RequestUpdate] = queue.Queue()
-        self.loop.watch(rid, updates.put)
+        ids = sample_ids(rid, params)  # n > 1: this engine draws every sample's first token too
+        for engine_id in ids:
+            self.loop.watch(engine_id, updates.put)
 
         def add(engine: LLMEngine) -> int:
             """Adds the request unless too much of its prompt is uncached; the uncached tokens.
@@ -242,10 +297,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         try:
             uncached = self.loop.call(add).result(timeout=30)
         except ValueError as exc:
-            self.loop.unwatch(rid)
+            for engine_id in ids:
+                self.loop.unwatch(engine_id)
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if uncached > limit:
-            self.loop.unwatch(rid)
+            for engine_id in ids:
+                self.loop.unwatch(engine_id)
             abort(
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -254,7 +311,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             )
         finished = threading.Event()
         context.add_callback(lambda: None if finished.is_set() else self._abort_engine(rid))
-        yield from stream_deltas(rid, updates, finished.set, context, num_generated=len(sent))
+        samples = {i: len(sent) for i in range(len(ids))} if len(ids) > 1 else None
+        yield from stream_deltas(
+            rid, updates, finished.set, context, num_generated=len(sent), samples=samples
+        )
 
     def _free_room(self, reader: StateReader) -> None:
         """The state will never arrive whole: free the room now; Decode still reports why."""
@@ -299,7 +359,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     ) -> decode_pb2.AbortDecodeResponse:
         rid = request.request_id
         reader = self._take(rid)
-        found = self.loop.call(lambda e: rid in e.requests).result(timeout=30)
+        found = self.loop.call(lambda e: e.has_request(rid)).result(timeout=30)
         if reader is not None:
             self._drop(rid, reader)
         else:

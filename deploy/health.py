@@ -12,6 +12,7 @@ import ray
 from deploy.actors import says_healthy
 from deploy.calls import call, cause
 from deploy.members import Member, Roster
+from deploy.placement import live_node_ids
 from deploy.publisher import WorkerPublisher
 from deploy.starter import ActorStarter
 from splitserve.config import HealthConfig
@@ -33,6 +34,9 @@ class HealthWatcher:
     `max_restarts` times within `restart_window_s` (then it is left down, "given up"), and the
     gateway hears the new addresses. A probe's answers become the member's `stats`. Restarts go
     stores first, then workers, then the gateway.
+
+    A node Ray has lost takes its store out of the roster (nothing can run there again); its
+    workers are restarted where Ray re-places their bundles, beside that node's store.
     """
 
     def __init__(
@@ -58,12 +62,28 @@ class HealthWatcher:
 
     async def check_once(self) -> None:
         """Probe every actor at once; restart the failed ones; tell the gateway what changed."""
+        self._drop_stores_of_lost_nodes()
         members = self._roster.members()
         reasons = await asyncio.gather(*(self._probe(m) for m in members))
         for member, reason in zip(members, reasons):
             if reason is not None:
                 await self._restart(member, reason)
         await self._publisher.publish()
+
+    def _drop_stores_of_lost_nodes(self) -> None:
+        stores = self._roster.stores
+        if not stores:
+            return  # nothing to drop: no need to ask Ray which nodes live
+        lost = set(stores) - live_node_ids()
+        for node_id in lost:
+            store = stores.pop(node_id)
+            self._starter.kill(store)
+            logger.warning(
+                "node %s is lost: store %d (%s) is dropped; its workers restart where their bundles go",
+                node_id,
+                store.index,
+                store.address,
+            )
 
     async def _probe(self, member: Member) -> str | None:
         """None if the actor answered `health()` with a truthy value; else what went wrong."""
@@ -92,6 +112,8 @@ class HealthWatcher:
         return None
 
     async def _restart(self, member: Member, reason: str) -> None:
+        if member.kind == "store" and self._dropped(member):
+            return
         member.healthy, member.error = False, reason
         self._starter.kill(member)
         now_s, window_s = time.monotonic(), self._config.restart_window_s
@@ -114,6 +136,13 @@ class HealthWatcher:
             self._starter.kill(member)
             member.healthy, member.error = False, f"{reason}; restart failed: {cause(exc)}"
             logger.error("%s %d: %s", member.kind, member.index, member.error)
+            if member.kind == "store":  # Ray may have found its node dead meanwhile
+                self._dropped(member)
+
+    def _dropped(self, store: Member) -> bool:
+        """Drop the stores of lost nodes; whether `store` was one of them."""
+        self._drop_stores_of_lost_nodes()
+        return self._roster.stores.get(store.node_id or "") is not store
 
 
 def stuck_engine(stats: dict[str, Any], timeout_s: float) -> str | None:

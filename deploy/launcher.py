@@ -36,6 +36,7 @@ from deploy.local_deployments import (
     ray_temp_dir,
     running_deployments,
 )
+from deploy.members import bundle_of
 from deploy.ray_connection import attach, ensure_auth_token, gcs_reachable, limit_shutdown_flush
 from frontend.server import GatewayBindError, bind_listening_socket
 from splitserve.config import ClusterConfig
@@ -123,14 +124,14 @@ class ClusterHandle:
 
 
 def required_resources(config: ClusterConfig) -> dict[str, float]:
-    """The logical CPUs and GPUs the whole deployment reserves (one store, as on one node)."""
-    cpus = config.gateway.num_cpus + config.store.num_cpus
-    gpus = 0.0
+    """The logical CPUs, GPUs and pools' custom resources the whole deployment reserves (one
+    store, as on one node)."""
+    need = {"CPU": config.gateway.num_cpus + config.store.num_cpus, "GPU": 0.0}
     for name in config.pool_names:
         pool = config.pool(name)
-        cpus += pool.replicas * pool.num_cpus
-        gpus += pool.replicas * pool.num_gpus
-    return {"CPU": cpus, "GPU": gpus}
+        for resource, amount in bundle_of(pool).items():
+            need[resource] = need.get(resource, 0.0) + pool.replicas * amount
+    return need
 
 
 def _kill_local_ray() -> None:
@@ -283,6 +284,7 @@ def _connect(config: ClusterConfig, address: str | None, name: str) -> tuple[boo
     ensure_auth_token()
     ray.init(
         num_cpus=max(1, math.ceil(need["CPU"])),
+        resources={name: amount for name, amount in need.items() if name not in ("CPU", "GPU")},
         include_dashboard=False,
         namespace=namespace,
         _temp_dir=str(temp_dir),

@@ -110,10 +110,11 @@ class Roster:
 
 
 def bundle_of(section: PoolConfig) -> dict[str, float]:
-    """The Ray resources one replica of the pool reserves."""
+    """The Ray resources one replica of the pool reserves: its CPUs, GPUs and custom resources."""
     bundle = {"CPU": float(section.num_cpus)}
     if section.num_gpus > 0:
         bundle["GPU"] = float(section.num_gpus)
+    bundle.update({name: float(amount) for name, amount in section.resources.items()})
     return bundle
 
 

@@ -4,12 +4,16 @@ Each pool reserves one placement group per start or resize up (Ray groups cannot
 bundle per replica; `reserve` waits for it and fails with `PlacementError` if the cluster
 cannot give it in time. Before waiting, `check_room` (deploy/room.py) fails at once when the
 bundles can never fit.
+
+When a node dies, Ray re-places the bundles it held on nodes with room for them (the group is
+RESCHEDULING meanwhile); `placed_node` waits for a worker's bundle to sit on a live node again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
@@ -20,7 +24,16 @@ from deploy.room import PlacementError, cluster_has
 
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # every Ray head node has 1 of it
 
-__all__ = ["HEAD_NODE_RESOURCE", "NodeIps", "PlacementError", "release_groups", "reserve"]
+__all__ = [
+    "HEAD_NODE_RESOURCE",
+    "NodeIps",
+    "PlacementError",
+    "live_node_ids",
+    "placed_node",
+    "release_groups",
+    "reserve",
+]
+_PLACED_POLL_S = 0.2
 
 
 async def reserve(pool: Pool, count: int, wait_s: float) -> list[Member]:
@@ -54,9 +67,27 @@ async def reserve(pool: Pool, count: int, wait_s: float) -> list[Member]:
     return members
 
 
-def node_of_bundle(member: Member) -> str:
-    """The node a worker's bundle is on now (Ray re-places a bundle whose node died)."""
-    return str(placement_group_table(member.group)["bundles_to_node_id"][member.bundle_index])
+def live_node_ids() -> set[str]:
+    """The ids of the nodes Ray counts alive now (a node it lost is dead once its health checks fail)."""
+    return {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+
+
+async def placed_node(member: Member, wait_s: float) -> str:
+    """The live node a worker's bundle is on, waiting up to `wait_s` while Ray re-places a bundle
+    whose node died; `PlacementError` if no live node takes it in time (none has room)."""
+    deadline_s = time.monotonic() + wait_s
+    while True:
+        node_id = placement_group_table(member.group)["bundles_to_node_id"].get(member.bundle_index)
+        if node_id in live_node_ids():
+            return str(node_id)
+        if time.monotonic() > deadline_s:
+            bundle = member.group.bundle_specs[member.bundle_index]
+            raise PlacementError(
+                f"{member.kind} {member.index}: its bundle {bundle} is on no live node after {wait_s:g} s "
+                f"(its node was lost and no other has room for it: free resources or add nodes); "
+                f"the Ray cluster has {cluster_has(bundle)}"
+            )
+        await asyncio.sleep(_PLACED_POLL_S)
 
 
 def release_groups(pool: Pool, *, all_groups: bool = False) -> None:

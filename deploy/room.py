@@ -36,7 +36,7 @@ def check_room(pool: Pool, count: int, held: Mapping[str, float]) -> None:
     if shortfall:
         raise PlacementError(
             f"pool {pool.name!r}: cannot reserve {count} x {bundle} ({pool.section.placement}): "
-            f"{shortfall}. Lower {pool.name}.replicas, num_cpus or num_gpus, or add nodes."
+            f"{shortfall}. Lower {pool.name}.replicas, num_cpus, num_gpus or resources, or add nodes."
         )
 
 

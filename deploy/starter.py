@@ -14,11 +14,19 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from deploy.actors import DEFAULT_CLASSES, StartError, gateway_settings_kwargs, load_actor_class
 from deploy.calls import call, cause
 from deploy.members import Member, Roster
-from deploy.placement import HEAD_NODE_RESOURCE, NodeIps, node_of_bundle
+from deploy.placement import HEAD_NODE_RESOURCE, NodeIps, placed_node
 from splitserve.config import ClusterConfig
 from splitserve.engine_config import EngineConfig
 
 logger = logging.getLogger("splitserve.deploy")
+
+# A worker created while its node was being lost lands where Ray re-places its bundle, beside
+# another store than the one it was given: it is started again there, this many times at most.
+MAX_MOVES = 2
+
+
+class _Moved(Exception):
+    """The new actor runs on another node than the one whose store it was given."""
 
 
 class ActorStarter:
@@ -71,7 +79,8 @@ class ActorStarter:
         """The node's store, started first if it has none yet."""
         store = self._roster.stores.get(node_id)
         if store is None:
-            store = Member(kind="store", index=len(self._roster.stores), node_id=node_id)
+            index = max((s.index for s in self._roster.stores.values()), default=-1) + 1
+            store = Member(kind="store", index=index, node_id=node_id)
             self._roster.stores[node_id] = store
             await self.start_store(store)
         return store
@@ -90,20 +99,38 @@ class ActorStarter:
         store.address = await self._started_at(store, self._node_ips.ip(store.node_id), port)
 
     async def start_worker(self, worker: Member) -> None:
+        """Create the worker in its bundle beside its node's store and start it. A bundle whose
+        node died is waited for until Ray re-places it on a live node, whose store it then gets."""
         assert worker.pool is not None
-        worker.node_id = node_of_bundle(worker)  # a bundle whose node died was re-placed elsewhere
-        store = await self.ensure_store(worker.node_id)
         section = self._config.pool(worker.pool)
         cls = self._actor_class(worker.kind)
-        worker.handle = cls.options(
-            num_cpus=section.num_cpus,
-            num_gpus=section.num_gpus,
-            max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                worker.group, placement_group_bundle_index=worker.bundle_index
-            ),
-        ).remote(self._engine_configs[worker.pool], store.address)
-        worker.address = await self._started_at(worker, self._node_ips.ip(worker.node_id), 0)
+        for _ in range(MAX_MOVES + 1):
+            node_id = await placed_node(worker, self._config.health.start_timeout_s)
+            store = await self.ensure_store(node_id)
+            worker.handle = cls.options(
+                num_cpus=section.num_cpus,
+                num_gpus=section.num_gpus,
+                max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    worker.group, placement_group_bundle_index=worker.bundle_index
+                ),
+            ).remote(self._engine_configs[worker.pool], store.address)
+            try:
+                worker.address = await self._started_at(
+                    worker, self._node_ips.ip(node_id), 0, on_node=node_id
+                )
+                return
+            except _Moved:
+                logger.warning(
+                    "%s %d landed off node %s as that node was lost: starting it again",
+                    worker.kind,
+                    worker.index,
+                    node_id,
+                )
+                self.kill(worker)
+        raise StartError(
+            f"{worker.kind} {worker.index}: its bundle moved between nodes {MAX_MOVES + 1} times while it started"
+        )
 
     async def start_gateway(self, gateway: Member) -> None:
         cfg = self._config.gateway
@@ -151,15 +178,19 @@ class ActorStarter:
                 ray.kill(member.handle, no_restart=True)
         member.handle, member.healthy = None, False
 
-    async def _started_at(self, member: Member, host: str, port: int) -> str:
-        """Call the new actor's `start(host, port)`, learn its node and pid, mark it healthy;
-        return its address."""
+    async def _started_at(self, member: Member, host: str, port: int, on_node: str | None = None) -> str:
+        """Learn the new actor's node and pid, call its `start(host, port)`, mark it healthy;
+        return its address. `_Moved` when it runs elsewhere than `on_node` (then not started)."""
         timeout_s = self._config.health.start_timeout_s
         try:
             await call(member.handle.__ray_call__.remote(_hold_cluster_token, self._token), timeout_s)
-            address = await call(member.handle.start.remote(host, port), timeout_s)
             where = member.handle.__ray_call__.remote(_node_and_pid_of_actor)
             member.node_id, member.pid = await call(where, timeout_s)
+            if on_node is not None and member.node_id != on_node:
+                raise _Moved
+            address = await call(member.handle.start.remote(host, port), timeout_s)
+        except _Moved:
+            raise
         except asyncio.TimeoutError:
             raise StartError(
                 f"{member.kind} {member.index}: start() did not return within {timeout_s:g} s "

@@ -1,6 +1,6 @@
 """Throughput on one GPU: a ~1B-parameter random kimi_linear in bf16, and each kernel against torch.
 
-    python -m experiments.gpu_throughput [--device cuda] [--batch-sizes 1,16,64]
+    python -m experiments.gpu_throughput [--device cuda] [--batch-sizes 1,16,64] [--engine-only | --kernels-only]
     python -m experiments.gpu_throughput --device cpu --tiny      # the CPU smoke mode the tests run
 
 Prints three tables:
@@ -8,113 +8,74 @@ Prints three tables:
   ignored), decode eager and with CUDA graphs (a second engine; CUDA only), and the faster decode
   against the memory-bandwidth bound: the bytes one decode step must read
   (weights, counting only the experts a batch of that size touches on average, plus the KV rows
-  and KDA states of the batch) over the device's measured copy bandwidth;
+  and KDA states of the batch) over the device's measured copy bandwidth. Each engine's load is
+  printed with its parts (weights, graphs, the warm-up's kernels: engine/warm_up.py), and each
+  batch size's first request (2 tokens) beside the measured ones;
 * kernels: paged MLA attention (Triton) and KDA (fla) against their torch references, same inputs,
   with the largest difference, at decode and prefill shapes of the model;
-* the parameter count and the measured bandwidth.
-Called by scripts/gpu_check.sh. Figures only: nothing here asserts on time.
+* the MLA prefill kernel at a 32k context under a few tile shapes (block of pairs, of keys, warps):
+  the default against the others, for the next GPU session to choose from.
+Called by scripts/gpu_check.sh (stages `decode` and `kernels`). Figures only: nothing here asserts on time.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import os
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from experiments.gpu_common import (
+    MODEL_1B,
+    batch_sizes,
+    check_device,
+    checkpoint,
+    load_engine,
+    model_dtype,
+    print_table,
+    progress,
+    stage_parser,
+    synchronize,
+    timed,
+    write_figures,
+)
 from splitserve.engine.forward_batch import TokenGroup
-
-_START_S = time.perf_counter()
-
-
-def progress(what: str) -> None:
-    """One timestamped line (seconds since start), flushed: a run cut off by a time limit shows
-    how far it got and what took the time."""
-    print(f"[{time.perf_counter() - _START_S:7.1f} s] {what}", flush=True)
 
 if TYPE_CHECKING:
     from splitserve import LLM
 
-_KDA, _MLA = "linear_attention", "full_attention"
-# ~1.0B parameters (printed at run time): 12 layers, 9 KDA + 3 MLA, Kimi-Linear-48B's head shapes
-# (KDA 16 x 128, MLA rank 512 / rope 64 / nope 128 / v 128), 16 routed experts top-2 + 1 shared.
-MODEL_1B: dict[str, object] = {
-    "hidden_size": 2048,
-    "intermediate_size": 5632,
-    "moe_intermediate_size": 640,
-    "num_local_experts": 16,
-    "num_experts_per_tok": 2,
-    "n_group": 2,
-    "topk_group": 1,
-    "n_shared_experts": 1,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 16,
-    "linear_num_heads": 16,
-    "linear_head_dim": 128,
-    "kv_lora_rank": 512,
-    "qk_rope_head_dim": 64,
-    "qk_nope_head_dim": 128,
-    "v_head_dim": 128,
-    "layer_types": [_KDA, _KDA, _KDA, _MLA] * 3,
-    "mlp_layer_types": ["dense"] + ["sparse"] * 11,
-    "max_position_embeddings": 65536,  # room for the 32k-token prompt of scripts/gpu_check.sh
-}
+__all__ = [
+    "MODEL_1B",
+    "decode_step_bytes",
+    "main",
+]  # MODEL_1B: experiments/decode_launches.py imports it here
+_MLA = "full_attention"
+# (pairs per program, keys per tile, warps) of the MLA prefill sweep; the first is the kernel's default
+MLA_TILES = [(16, 32, 4), (16, 64, 4), (16, 32, 8), (32, 32, 8), (64, 32, 8)]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda", help="cuda or cpu")
-    parser.add_argument("--tiny", action="store_true", help="the tiny preset and small shapes (smoke test)")
+    parser = stage_parser(__doc__)
     parser.add_argument("--batch-sizes", default=None, help="comma-separated (default 1,16,64; tiny: 1,2)")
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 512; tiny: 8)")
     parser.add_argument("--decode-tokens", type=int, default=None, help="decode steps (default 64; tiny: 2)")
-    parser.add_argument("--model-dir", default=None, help="reuse/keep the random checkpoint here")
-    parser.add_argument(
-        "--engine-only", action="store_true", help="eager engine speeds only: no CUDA graphs, no kernel table"
-    )
+    part = parser.add_mutually_exclusive_group()
+    part.add_argument("--engine-only", action="store_true", help="the engine table alone")
+    part.add_argument("--kernels-only", action="store_true", help="the kernel tables alone")
     args = parser.parse_args(argv)
-    args.batch_sizes = [int(b) for b in (args.batch_sizes or ("1,2" if args.tiny else "1,16,64")).split(",")]
+    args.batch_sizes = batch_sizes(args.batch_sizes, args.tiny)
     args.prompt_len = args.prompt_len or (8 if args.tiny else 512)
     args.decode_tokens = args.decode_tokens or (2 if args.tiny else 64)
-    args.dtype = "float32" if args.device == "cpu" else "bfloat16"
+    args.dtype = model_dtype(args.device)
     return args
-
-
-def synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def timed(fn: Callable[[], object], device: str, repeats: int = 5, warmup: int = 2) -> float:
-    """Median seconds of `fn` after `warmup` calls (compiles, autotunes)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def build_checkpoint(args: argparse.Namespace, where: Path) -> Path:
-    from splitserve.tiny_model import make_tiny_model
-
-    if (where / "config.json").exists():
-        return where
-    if args.tiny:
-        return make_tiny_model(where, preset="tiny", seed=0)
-    return make_tiny_model(where, preset="bench-10m", seed=0, **MODEL_1B)
 
 
 def measured_bandwidth_bytes_per_s(device: str) -> float:
@@ -128,12 +89,12 @@ def measured_bandwidth_bytes_per_s(device: str) -> float:
 
 def decode_step_bytes(model: torch.nn.Module, batch: int, context: int) -> int:
     """Bytes one decode step must read: weights (the experts a batch touches on average) and caches."""
-    config = model.config
+    config: Any = model.config
     experts, top_k = config.num_local_experts, config.num_experts_per_tok
     touched = 1.0 - (1.0 - top_k / experts) ** batch
     weight_bytes = 0.0
     for name, param in model.named_parameters():
-        size = param.numel() * param.element_size()
+        size: float = param.numel() * param.element_size()
         if "embed_tokens" in name:
             size = batch * param.shape[-1] * param.element_size()
         elif ".experts." in name and "shared" not in name:
@@ -147,22 +108,34 @@ def decode_step_bytes(model: torch.nn.Module, batch: int, context: int) -> int:
     return int(weight_bytes + kv_bytes + state_bytes)
 
 
-def engine_rows(args: argparse.Namespace, path: Path, bandwidth: float) -> list[list[str]]:
-    """Per batch size: prefill and decode tokens/s eager, decode with CUDA graphs (CUDA only), the bound."""
-    eager = engine_speeds(args, path, enforce_eager=True)
+@dataclasses.dataclass
+class EngineRun:
+    """One engine's figures: its load (engine/warm_up.py's report), each batch size's first request
+    (seconds, 2 tokens) and its speeds: batch -> (prefill tok/s, decode tok/s, bytes a decode step reads)."""
+
+    load: dict[str, Any]
+    first_request_s: dict[int, float]
+    speeds: dict[int, tuple[float, float, int]]
+    graphs: bool
+
+
+def engine_rows(
+    args: argparse.Namespace, path: Path, bandwidth: float
+) -> tuple[list[list[str]], dict[str, Any]]:
+    """Per batch size: prefill and decode tokens/s eager, decode with CUDA graphs (CUDA only), the
+    bound; and the figures of both engines."""
     cuda = args.device.startswith("cuda")
-    graphed = engine_speeds(args, path, enforce_eager=False) if cuda and not args.engine_only else {}
-    rows = []
+    eager = engine_speeds(args, path, enforce_eager=True)
+    graphed = engine_speeds(args, path, enforce_eager=False) if cuda else None
+    rows, batches = [], {}
     for batch in args.batch_sizes:
-        prefill_tps, decode_tps, step_bytes = eager[batch]
+        prefill_tps, decode_tps, step_bytes = eager.speeds[batch]
         bound_tps = batch * bandwidth / step_bytes
-        best_tps = decode_tps
-        if batch in graphed:
-            graph_tps = graphed[batch][1]
-            best_tps = max(decode_tps, graph_tps)
+        graph_tps = graphed.speeds[batch][1] if graphed is not None and graphed.graphs else None
+        best_tps = max(decode_tps, graph_tps or 0.0)
+        graph_cells = ["n/a (needs CUDA)" if not cuda else "n/a", ""]
+        if graph_tps is not None:
             graph_cells = [f"{graph_tps:,.0f}", f"{graph_tps / decode_tps:.2f}x"]
-        else:
-            graph_cells = ["n/a", ""] if cuda else ["n/a (needs CUDA)", ""]
         rows.append(
             [
                 str(batch),
@@ -173,53 +146,62 @@ def engine_rows(args: argparse.Namespace, path: Path, bandwidth: float) -> list[
                 f"{100 * best_tps / bound_tps:.0f}%",
             ]
         )
-    return rows
+        batches[batch] = {
+            "prefill_tok_s": prefill_tps,
+            "eager_tok_s": decode_tps,
+            "graphs_tok_s": graph_tps,
+            "bound_tok_s": bound_tps,
+        }
+    runs = {"eager": eager, "graphs": graphed}
+    figures = {
+        "batches": batches,
+        "load": {name: run.load for name, run in runs.items() if run is not None},
+        "first_request_s": {name: run.first_request_s for name, run in runs.items() if run is not None},
+    }
+    return rows, figures
 
 
-def engine_speeds(
-    args: argparse.Namespace, path: Path, enforce_eager: bool
-) -> dict[int, tuple[float, float, int]]:
-    """batch -> (prefill tok/s, decode tok/s, bytes a decode step reads) of one engine; with
-    `enforce_eager` False on CUDA its decode steps replay CUDA graphs (printed when they do not)."""
-    from splitserve import LLM
-
-    llm = LLM(
-        model=str(path),
-        dtype=args.dtype,
-        device=args.device,
+def engine_speeds(args: argparse.Namespace, path: Path, enforce_eager: bool) -> EngineRun:
+    """One engine's load and speeds; with `enforce_eager` False on CUDA its decode steps replay CUDA
+    graphs (printed when they do not)."""
+    progress(f"an engine with {'eager decode' if enforce_eager else 'CUDA graphs'}:")
+    llm, ready_s = load_engine(
+        args,
+        path,
         max_num_seqs=max(args.batch_sizes),
         max_num_batched_tokens=max(2048, args.prompt_len),
         max_model_len=args.prompt_len + args.decode_tokens + 16,
         enforce_eager=enforce_eager,
         cuda_graph_batch_sizes=tuple(args.batch_sizes),  # only the buckets measured: a shorter capture
     )
-    progress(f"engine loaded ({'eager' if enforce_eager else 'CUDA graphs'})")
+    report = llm.engine.warm_up
     model = llm.engine.model
     if enforce_eager:
         num_params = sum(p.numel() for p in model.parameters())
         print(f"model: {num_params / 1e9:.3f}B parameters, {args.dtype}, device {args.device}")
     elif llm.engine.runner.graphs is None:
-        print("CUDA graphs: refused or failed to capture (the log says why); the graphs column is eager")
-    speeds = measure_speeds(args, llm)
+        print("CUDA graphs: refused or failed to capture (the log says why); no graphs column")
+    load = {**dataclasses.asdict(report), "total_s": report.total_s, "ready_s": ready_s}
+    run = EngineRun(load, {}, {}, llm.engine.runner.graphs is not None)
+    measure_speeds(args, llm, run)
     del llm, model  # the next engine's caches need this one's device memory back
     gc.collect()
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
-    return speeds
+    return run
 
 
-def measure_speeds(args: argparse.Namespace, llm: LLM) -> dict[int, tuple[float, float, int]]:
-    """batch -> (prefill tok/s, decode tok/s, bytes a decode step reads) of `llm` (an `LLM`)."""
+def measure_speeds(args: argparse.Namespace, llm: LLM, run: EngineRun) -> None:
+    """Fill `run` with each batch size's first request and speeds on `llm` (an `LLM`)."""
     from splitserve import SamplingParams
 
     model = llm.engine.model
     vocab = model.config.vocab_size
-    speeds = {}
     for batch in args.batch_sizes:
         gen = torch.Generator().manual_seed(batch)
         prompts = torch.randint(3, vocab, (batch, args.prompt_len), generator=gen).tolist()
 
-        def run(max_tokens: int, prompts: list[list[int]] = prompts) -> float:
+        def generate(max_tokens: int, prompts: list[list[int]] = prompts) -> float:
             params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
             synchronize(args.device)
             start = time.perf_counter()
@@ -227,19 +209,20 @@ def measure_speeds(args: argparse.Namespace, llm: LLM) -> dict[int, tuple[float,
             synchronize(args.device)
             return time.perf_counter() - start
 
-        warmup_s = run(2)  # warm-up at this batch size: kernel compiles and autotuning
-        progress(f"batch {batch}: warm-up (2 tokens) took {warmup_s:.1f} s")
-        prefill_s = run(1)
-        total_s = run(1 + args.decode_tokens)
-        progress(f"batch {batch}: prefill {prefill_s:.3f} s, prefill + {args.decode_tokens} steps {total_s:.3f} s")
+        run.first_request_s[batch] = generate(2)  # what compiles here, the warm-up at load missed
+        prefill_s = generate(1)
+        total_s = generate(1 + args.decode_tokens)
+        progress(
+            f"batch {batch}: first request (2 tokens) {run.first_request_s[batch]:.3f} s, prefill {prefill_s:.3f} s, "
+            f"prefill + {args.decode_tokens} steps {total_s:.3f} s"
+        )
         decode_s = max(total_s - prefill_s, 1e-9)
         context = args.prompt_len + args.decode_tokens // 2
-        speeds[batch] = (
+        run.speeds[batch] = (
             batch * args.prompt_len / prefill_s,
             batch * args.decode_tokens / decode_s,
             decode_step_bytes(model, batch, context),
         )
-    return speeds
 
 
 @contextlib.contextmanager
@@ -356,50 +339,83 @@ def kernel_rows(args: argparse.Namespace) -> list[list[str]]:
     return rows
 
 
-def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    print(f"\n{title}")
-    for row in [header, ["-" * w for w in widths], *rows]:
-        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+def mla_prefill_tiles(args: argparse.Namespace) -> list[list[str]]:
+    """The MLA prefill kernel on one chunk at the end of a long context, under each of `MLA_TILES`:
+    ms per call and the largest difference from the default tiles (CUDA only)."""
+    from splitserve.engine.ops.paged_mla_triton import paged_mla_triton_split
+
+    chunk, context = (16, 64) if args.tiny else (2048, 32768)
+    heads, rank, rope = (4, 32, 16) if args.tiny else (16, 512, 64)
+    if not args.device.startswith("cuda"):
+        return [[f"chunk {chunk} ctx {context}", "n/a (needs CUDA)", "", ""]]
+    dtype, dev = getattr(torch, args.dtype), args.device
+    group = mla_group(1, chunk, context, dev)
+    pool = torch.randn(-(-context // 16) * 16, rank + rope, device=dev).to(dtype)
+    q_latent = torch.randn(chunk, heads, rank, device=dev).to(dtype)
+    q_rope = torch.randn(chunk, heads, 128 + rope, device=dev).to(dtype)[
+        ..., 128:
+    ]  # a slice, as in the layer
+    scale = (rope + 128) ** -0.5
+    rows, want = [], None
+    for block_m, block_n, warps in MLA_TILES:
+        out = torch.empty(heads, chunk, rank, dtype=dtype, device=dev).transpose(0, 1)
+
+        def call(block_m: int = block_m, block_n: int = block_n, warps: int = warps, out: Any = out) -> None:
+            paged_mla_triton_split(
+                q_latent, q_rope, pool, group, scale, out, block_m, block_n, num_warps=warps
+            )
+
+        name = f"pairs {block_m}, keys {block_n}, warps {warps}"
+        try:
+            seconds = timed(call, dev, repeats=3, warmup=1)
+        except Exception as exc:  # a tile that does not fit the chip's registers or shared memory
+            rows.append([name, "failed", type(exc).__name__, str(exc)[:60]])
+            continue
+        want = out.float() if want is None else want
+        diff = (out.float() - want).abs().max().item()
+        rows.append([name, f"{seconds * 1e3:.2f}", f"{chunk * context / seconds / 1e9:.1f}", f"{diff:.1e}"])
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(
-            "--device cuda but torch sees no CUDA device: use a CUDA build of torch, or --device cpu"
-        )
+    check_device(args.device)
     torch.manual_seed(0)
     bandwidth = measured_bandwidth_bytes_per_s(args.device)
     print(f"device copy bandwidth: {bandwidth / 1e9:,.0f} GB/s (read + write)")
-    with contextlib.ExitStack() as stack:
-        where = (
-            Path(args.model_dir)
-            if args.model_dir
-            else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+    figures: dict[str, Any] = {"bandwidth_gb_s": bandwidth / 1e9}
+    summary = []
+    if not args.kernels_only:
+        with tempfile.TemporaryDirectory() as scratch:
+            path = checkpoint(args.model_dir, args.tiny, Path(scratch))
+            progress(f"checkpoint ready at {path}")
+            rows, engine = engine_rows(args, path, bandwidth)
+        figures["engine"] = engine
+        header = ["batch", "prefill tok/s", "decode tok/s", "graphs tok/s", "graphs/eager"]
+        header += ["bandwidth bound tok/s", "of bound"]
+        print_table(
+            f"engine, prompt {args.prompt_len} tokens, {args.decode_tokens} decode steps", header, rows
         )
-        path = build_checkpoint(args, where)
-        progress(f"checkpoint ready at {path}")
-        engine = engine_rows(args, path, bandwidth)
-    print_table(
-        f"engine, prompt {args.prompt_len} tokens, {args.decode_tokens} decode steps",
-        [
-            "batch",
-            "prefill tok/s",
-            "decode tok/s",
-            "graphs tok/s",
-            "graphs/eager",
-            "bandwidth bound tok/s",
-            "of bound",
-        ],
-        engine,
-    )
+        best = {b: max(v["eager_tok_s"], v["graphs_tok_s"] or 0.0) for b, v in engine["batches"].items()}
+        summary.append("decode " + ", ".join(f"b{b} {tps:,.0f} tok/s" for b, tps in best.items()))
+        summary.append(f"load {engine['load']['eager']['total_s']:.1f} s")
     if not args.engine_only:
+        kernels = kernel_rows(args)
         print_table(
             "kernels against their torch reference (ms per call, median)",
             ["case", "torch ms", "kernel ms", "speed-up", "max |diff|"],
-            kernel_rows(args),
+            kernels,
         )
+        tiles = mla_prefill_tiles(args)
+        print_table(
+            "MLA prefill kernel, one chunk at the end of a long context, by tile shape",
+            ["tiles", "ms", "G query-key pairs/s", "max |diff| vs first"],
+            tiles,
+        )
+        figures["kernels"] = {row[0]: row[1:] for row in kernels}
+        figures["mla_prefill_tiles"] = {row[0]: row[1:] for row in tiles}
+        summary.append(f"{len(kernels)} kernel cases")
+    write_figures(args.json, "; ".join(summary), figures)
     return 0
 
 

@@ -47,6 +47,7 @@ class LaunchCounter(TorchDispatchMode):
         super().__init__()
         self.counts: Counter[tuple[str, str]] = Counter()  # (scope, op) -> launches
         self.launched: list[Launch] = []  # the stubbed Triton launches, in order
+        self.fla_calls: list[tuple[str, tuple[Any, ...]]] = []  # fla calls: name, what its autotune keys read
         self.scopes: list[str] = []
         self.enabled = False
 
@@ -104,7 +105,7 @@ class CountedLaunch:
     def __getitem__(self, grid: Any) -> Any:
         def launch(*args: Any, **kwargs: Any) -> None:
             self.counter.launch(f"triton:{self.kernel.name}")
-            self.counter.launched.append(Launch(self.kernel, args, kwargs))
+            self.counter.launched.append(Launch(self.kernel, args, kwargs, grid))
 
         return launch
 
@@ -116,16 +117,25 @@ class Launch:
     kernel: triton_kernel.TritonKernel
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    grid: Any = None
 
 
 def _fla_stub(counter: LaunchCounter) -> dict[str, types.ModuleType]:
-    """Modules standing in for fla's: its fused recurrent KDA step counts one launch."""
+    """Modules standing in for fla's: its fused recurrent KDA step and its chunked KDA (prefill) each
+    count one launch; `counter.fla_calls` keeps what their autotune keys read (batch, heads, dims, dtype)."""
 
     def fused_recurrent_kda_fwd(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kw: Any
     ) -> Any:
         counter.launch("fla:fused_recurrent_kda_fwd")
+        counter.fla_calls.append(("fused_recurrent_kda_fwd", (*k.shape[2:], v.shape[-1], q.dtype)))
         return torch.empty_like(v), None
+
+    def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kw: Any) -> Any:
+        counter.launch("fla:chunk_kda")  # [B, L, H, D]: every key but the length L
+        counter.fla_calls.append(("chunk_kda", (k.shape[0], *k.shape[2:], v.shape[-1], q.dtype)))
+        state = kw["initial_state"]
+        return torch.empty_like(v), torch.empty_like(state)
 
     names = ["fla", "fla.ops", "fla.ops.kda", "fla.ops.kda.fused_recurrent"]
     stubs = {}
@@ -133,6 +143,7 @@ def _fla_stub(counter: LaunchCounter) -> dict[str, types.ModuleType]:
         stubs[name] = types.ModuleType(name)
         stubs[name].__spec__ = importlib.machinery.ModuleSpec(name, None)
     stubs["fla.ops.kda.fused_recurrent"].fused_recurrent_kda_fwd = fused_recurrent_kda_fwd  # type: ignore[attr-defined]
+    stubs["fla.ops.kda"].chunk_kda = chunk_kda  # type: ignore[attr-defined]
     return stubs
 
 

@@ -30,6 +30,7 @@ from frontend.prefix_metrics import PrefixMetrics
 from frontend.response_counter import CountResponses
 from frontend.router import Router, make_router
 from frontend.routes import chat, completions, health, metrics, models
+from frontend.schema_bounds import Bounds
 from frontend.settings import GatewaySettings
 from splitserve.tokenizer import Tokenizer
 
@@ -60,13 +61,16 @@ def build_app(
     )
 
     app = FastAPI(title="splitserve gateway", lifespan=_lifespan(monitor, clients, cache_monitor))
+    app.state.settings = settings  # the server reads its connection limits here (frontend.server)
+    app.state.on_refusal = gateway_metrics.observe_refusal  # and counts what its protocol refuses
     app.state.pipeline = pipeline
     app.state.monitor = monitor
     app.state.cache_monitor = cache_monitor
     app.state.admission = admission = Admission()
     app.state.admission_queue = queue
     install_error_handlers(app, gateway_metrics.observe_refusal)
-    install_openapi(app)
+    vocab_size = tokenizer.vocab_size if tokenizer is not None else None
+    install_openapi(app, Bounds(settings.max_model_len, settings.prompt_chars_limit, vocab_size))
     refusal = gateway_metrics.observe_refusal
     app.add_middleware(BodyLimit, max_request_bytes=settings.max_request_bytes, on_refusal=refusal)
     app.add_middleware(AdmissionMiddleware, admission=admission)

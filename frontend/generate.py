@@ -18,6 +18,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import anyio
 import grpc
@@ -36,6 +37,9 @@ from splitserve.sampling_params import SamplingParams
 from splitserve.tokenizer import Tokenizer
 from splitserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from splitserve.wire import FINISH_FROM_PROTO, decode_request, prefill_request, sampling_params_to_proto
+
+if TYPE_CHECKING:
+    from frontend.samples import SampleGroup
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +97,12 @@ class Pipeline:
 
 
 class Generation:
-    """One prompt, one choice. Not reusable; not safe to drive from two tasks at once."""
+    """One prompt, one choice. Not reusable; not safe to drive from two tasks at once.
+
+    A sample of a request of several (`group`, frontend/samples.py) gets its first step from
+    the group's one prefill and reads its part of the group's one decode stream; from then on
+    (a failover included: it re-prefills as a request of its own, seeded seed + index) it is an
+    ordinary generation. Its prompt counts once per request (`bills_prompt`: sample 0's)."""
 
     def __init__(
         self,
@@ -102,12 +111,21 @@ class Generation:
         prompt_ids: list[int],
         params: SamplingParams,
         arrival_s: float,
+        *,
+        prefix_hashes: list[bytes] | None = None,
+        sample_index: int = 0,
+        group: SampleGroup | None = None,
+        counted: bool = True,
     ) -> None:
         self.p = pipeline
         self.request_id = request_id
         self.prompt_ids = prompt_ids
-        self.prefix_hashes = pipeline.prefix_hashes(prompt_ids)  # once per prompt
+        # once per prompt
+        self.prefix_hashes = pipeline.prefix_hashes(prompt_ids) if prefix_hashes is None else prefix_hashes
         self.num_cached_tokens = 0  # prompt tokens the prefill served from a prefix cache
+        self.sample_index = sample_index
+        self._group = group
+        self._counted = counted  # a choice the metrics count (not a group's shared prefill)
         self.params = params
         self.arrival_s = arrival_s
         self.deadline_s = arrival_s + pipeline.settings.request_timeout_s
@@ -129,7 +147,8 @@ class Generation:
         self._has_first_token = False  # whether a token reached this gateway (ITL counts gaps after it)
         self._transfer_s = 0.0
         self._released = False
-        pipeline.metrics.running.labels(pipeline.metrics.model_name).inc()
+        if counted:
+            pipeline.metrics.running.labels(pipeline.metrics.model_name).inc()
 
     @property
     def num_generated_tokens(self) -> int:
@@ -138,6 +157,11 @@ class Generation:
     @property
     def finish_reason(self) -> str | None:
         return self._output.finish_reason
+
+    @property
+    def bills_prompt(self) -> bool:
+        """Whether usage counts this choice's prompt (and cached) tokens: once per prompt."""
+        return self.sample_index == 0
 
     # The flow ---------------------------------------------------------------------------------
 
@@ -149,6 +173,8 @@ class Generation:
         another prefill worker, else through `prefill.fallback` (`decode_local`: the decode
         worker computes the prompt, no store needed). Nothing reached the client yet, so the
         client sees one answer, with the tokens an unbroken run gives."""
+        if self._group is not None and not self._group.began(self):
+            return await self._group.first_step(self)  # the group's one prefill, then its part
         failed: list[str] = []
         backoff = Backoff(min(self.deadline_s, time.monotonic() + self.p.settings.decode_failover_wait_s))
         while True:
@@ -204,21 +230,43 @@ class Generation:
                 prefill_address = self._decode_address  # colocated: the engine holding the room prefills
             response = await self._prefill(prefill_address, reservation)
         self._observe_prefill(response)
+        return await self._begin(response)
+
+    async def _begin(self, response: prefill_pb2.PrefillResponse) -> Step:
+        """The first step from a prefill's answer; the decode stream opened, or the room given back."""
         step = self._output.step(
             [response.first_token_id],
             [response.first_logprobs] if response.HasField("first_logprobs") else [],
             FINISH_FROM_PROTO.get(response.finish_reason),
             response.stop_token_id if response.HasField("stop_token_id") else None,
         )
-        now = time.monotonic()
-        if not self._resumed:  # after a failover this is not the request's first token
-            self.p.metrics.ttft.labels(self.p.metrics.model_name).observe(now - self.arrival_s)
-        self._last_token_s, self._has_first_token = now, True
+        self._note_first_token()
         if step.finish_reason is None:
             self._open_decode(response)
         else:
             await self._release_decode()
         return step
+
+    def _note_first_token(self) -> None:
+        """A first token reached the gateway: the TTFT (unless a failover's), and the ITL's start."""
+        now = time.monotonic()
+        if not self._resumed:  # after a failover this is not the request's first token
+            self.p.metrics.ttft.labels(self.p.metrics.model_name).observe(now - self.arrival_s)
+        self._last_token_s, self._has_first_token = now, True
+
+    def take_first(self, start: common_pb2.SampleStart) -> Step:
+        """A sample's first step, from the first token its group's prefill drew for it."""
+        self._last_token_s, self._has_first_token = time.monotonic(), True
+        return self._output.step(
+            [start.token_id],
+            [start.logprobs] if start.HasField("logprobs") else [],
+            FINISH_FROM_PROTO.get(start.finish_reason),
+            start.stop_token_id if start.HasField("stop_token_id") else None,
+        )
+
+    def attach_stream(self, stream: DecodeStream, address: str) -> None:
+        """A sample reads its part of its group's decode stream, on decode worker `address`."""
+        self._stream, self._decode_address = stream, address
 
     async def next(self) -> Step:
         """The next decode step. A lost decode worker fails over (frontend.failover); raises
@@ -339,12 +387,14 @@ class Generation:
         # Metrics first: once a worker sees the abort, the request is already counted.
         reason = self.finish_reason or ("error" if error else "abort")
         metrics = self.p.metrics
-        metrics.running.labels(metrics.model_name).dec()
+        if self._counted:
+            metrics.running.labels(metrics.model_name).dec()
         # Only work a worker was given counts as processed: a request refused before any prefill
         # (429, 503) is counted apart, by reason, where its error is answered (frontend.errors).
-        if self._prefill_address is not None or self.num_generated_tokens > 0:
-            metrics.observe_finished(reason, len(self.prompt_ids), self.num_generated_tokens)
-        if self.finish_reason is not None:
+        if self._counted and (self._prefill_address is not None or self.num_generated_tokens > 0):
+            num_prompt = len(self.prompt_ids) if self.bills_prompt else 0
+            metrics.observe_finished(reason, num_prompt, self.num_generated_tokens)
+        if self._counted and self.finish_reason is not None:
             metrics.e2e.labels(metrics.model_name).observe(time.monotonic() - self.arrival_s)
         with anyio.CancelScope(shield=True):
             if self._reserve_in_flight is not None:  # cancelled mid-Reserve: its answer first
@@ -353,6 +403,8 @@ class Generation:
             if self._prefill_in_flight and self._prefill_address is not None:
                 await self._quietly(self.p.clients.abort_prefill(self._prefill_address, self.request_id))
             await self._release_decode()
+            if self._group is not None:  # the last sample out releases the group's prefill
+                await self._group.release(self, error)
 
     # Pieces -----------------------------------------------------------------------------------
 
@@ -420,15 +472,20 @@ class Generation:
             prefix_hashes=self.prefix_hashes,
         )
         self._decode_address = address
-        self.p.router.on_decode_reserved(address)  # it takes a slot there, as a reservation would
+        for _ in range(self.params.num_samples):  # it takes a slot there per sample, as a reservation would
+            self.p.router.on_decode_reserved(address)
         self._stream = self.p.clients.decode(address, request, self._remaining_s())
-        step = await self.next()
+        step = await self._first_streamed()
         self._last_token_s = now = time.monotonic()
         if not self._resumed:
             self.p.metrics.ttft.labels(self.p.metrics.model_name).observe(now - self.arrival_s)
             if self.p.prefix_metrics is not None and self._prefill_address is None:
                 self.p.prefix_metrics.observe_prefill(len(self.prompt_ids), self.num_cached_tokens)
         return step
+
+    async def _first_streamed(self) -> Step:
+        """The first step of a Decode without state (the worker computes the prompt)."""
+        return await self.next()
 
     async def _reserve_on(
         self, address: str, request: decode_pb2.ReserveRequest
@@ -490,6 +547,7 @@ class Generation:
             num_prompt_tokens=len(self.prompt_ids) + len(self._resumed),  # the state's tokens
             timeout_s=self.p.settings.reserve_timeout_s,
             state_key=state_key,
+            num_samples=self.params.num_samples,
         )
         if self.params.max_tokens is not None:
             request.max_tokens = self.params.max_tokens
@@ -510,7 +568,8 @@ class Generation:
                 self._decode_address = address
                 self._holds_reservation = True
                 self._handoff = (response.store_address, response.state_key)
-                self.p.router.on_decode_reserved(address)
+                for _ in range(self.params.num_samples):
+                    self.p.router.on_decode_reserved(address)
                 self.p.on_route(response.store_address)
                 return response
             rejections.append(f"{address}: {response.reject_reason or 'rejected'}")

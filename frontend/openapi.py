@@ -4,7 +4,8 @@ FastAPI declares a 422 for every route with a body (this gateway answers 400 in 
 shape) and nothing else a route may send. Routes declare their own responses with
 `error_responses` and `generation_responses`; `install_openapi` drops FastAPI's 422 and its
 validation-error schemas and adds what every route may send: a 500 (a bug, in the error shape)
-and, for a route with a body, the 413 of `frontend.body_limit`. A test runs schemathesis against
+and, for a route with a body, the 413 of `frontend.body_limit`; and fills in the limits of what the
+gateway serves (`frontend.schema_bounds`). A test runs schemathesis against
 the document to hold server and document together.
 """
 
@@ -17,6 +18,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from frontend.errors import ErrorResponse
+from frontend.schema_bounds import Bounds
 
 _DESCRIPTIONS = {
     400: "The request is invalid: malformed JSON, a wrong type, a value out of range, a refused field, "
@@ -71,21 +73,23 @@ def generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, An
     return {200: ok, **error_responses(400, 401, 404, 429, 503)}
 
 
-def install_openapi(app: FastAPI) -> None:
-    """Serve the corrected document (built once, on the first request for it)."""
+def install_openapi(app: FastAPI, bounds: Bounds | None = None) -> None:
+    """Serve the corrected document (built once, on the first request for it), with the limits
+    of what this gateway serves (`bounds`; None: the markers of those limits are only dropped)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             app.openapi_schema = corrected_schema(
-                get_openapi(title=app.title, version=app.version, routes=app.routes)
+                get_openapi(title=app.title, version=app.version, routes=app.routes), bounds
             )
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def corrected_schema(schema: dict[str, Any]) -> dict[str, Any]:
-    """FastAPI's document without its 422s, with the 413 and 500 every route may send."""
+def corrected_schema(schema: dict[str, Any], bounds: Bounds | None = None) -> dict[str, Any]:
+    """FastAPI's document without its 422s, with the 413 and 500 every route may send, and the
+    gateway's own limits filled in (whole-number limits written as integers)."""
     error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
     error_content = {"application/json": {"schema": error_ref}}
     for operations in schema.get("paths", {}).values():
@@ -104,4 +108,5 @@ def corrected_schema(schema: dict[str, Any]) -> dict[str, Any]:
         full = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(full.pop("$defs", {}))
         schemas["ErrorResponse"] = full
+    (bounds or Bounds()).fill(schema)
     return schema

@@ -14,6 +14,9 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field, PlainValidator, Strict, TypeAdapter, ValidationError
 
+from frontend.request_counts import MAX_PROMPTS
+from frontend.schema_bounds import PROMPT_CHARS, TOKEN_ID, documented
+
 INT32_MAX = 2**31 - 1  # the largest value of a protobuf int32 field (top_k, token ids, max_tokens ...)
 
 
@@ -27,13 +30,18 @@ def integral(value: Any) -> Any:
 
 # The bounds first, the validator after: so the schema says minimum/maximum (pydantic writes a
 # constraint outside a validated type as `ge`/`le`, which JSON Schema does not know).
-TokenId = Annotated[int, Field(ge=0, le=INT32_MAX), BeforeValidator(integral)]
-# The schema says what `valid_prompt` enforces: nothing empty.
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX), BeforeValidator(integral), documented(bound=TOKEN_ID)]
+Text = Annotated[str, Field(min_length=1), documented(bound=PROMPT_CHARS)]
+# The schema says what `valid_prompt` enforces: nothing empty; what the raw count check does: a
+# list of prompts holds at most MAX_PROMPTS; and what the gateway serves: texts within its
+# character limit, ids within its vocabulary (frontend.schema_bounds).
 PromptShapes = (
-    Annotated[str, Field(min_length=1)]
-    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+    Text
+    | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
     | Annotated[list[TokenId], Field(min_length=1)]
-    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    | Annotated[
+        list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)
+    ]
 )
 
 # Plain ints (no bool, no 5.0) in the int32 range: checked in pydantic-core, in one pass.
@@ -70,35 +78,48 @@ def _plain_token_ids(ids: list[Any]) -> list[int] | None:
 
 
 def _general_prompt(prompt: Any) -> Any:
-    """Every shape, integral floats, and the error for a prompt that is none of them."""
-    if prompt == "" or prompt == [] or (isinstance(prompt, list) and any(p in ("", []) for p in prompt)):
+    """Every shape, integral floats, and the error for a prompt that is none of them. Work per
+    token id or text is done in C (`in`, `map`, `min`): a long list costs no Python frame per item."""
+    if prompt == "" or prompt == [] or (isinstance(prompt, list) and ("" in prompt or [] in prompt)):
         raise ValueError("prompt must not be empty, nor hold an empty prompt")
-    if isinstance(prompt, list):
-        prompt = [[integral(t) for t in p] if isinstance(p, list) else integral(p) for p in prompt]
     if isinstance(prompt, str):
         return prompt
-    if _is_token_ids(prompt):
-        _check_id_range(prompt)
-        return prompt
-    if isinstance(prompt, list) and (
-        all(isinstance(p, str) for p in prompt) or all(_is_token_ids(p) for p in prompt)
-    ):
-        for ids in prompt:
+    if isinstance(prompt, list):
+        ids = _as_token_ids(prompt)
+        if ids is not None:
             _check_id_range(ids)
-        return prompt
+            return ids
+        kinds = set(map(type, prompt))
+        if kinds == {str}:
+            return prompt
+        if kinds == {list}:  # a batch: one frame per prompt (their number is capped before this)
+            batch = [_as_token_ids(p) for p in prompt]
+            if all(ids is not None for ids in batch):
+                for ids in batch:
+                    _check_id_range(ids)  # type: ignore[arg-type]
+                return batch
     raise ValueError(_SHAPE_ERROR)
 
 
-def _is_token_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+def _as_token_ids(values: list[Any]) -> list[int] | None:
+    """`values` as ints when each is an int or an integral float (not a bool); else None."""
+    kinds = set(map(type, values))
+    if not kinds <= {int, float}:
+        return None
+    if float not in kinds:
+        return values
+    try:
+        ids = list(map(int, values))
+    except (OverflowError, ValueError):  # an infinity or NaN a lenient parser let in
+        return None
+    return ids if ids == values else None  # 1.5 became 1: not an integer
 
 
-def _check_id_range(prompt: str | list[int]) -> None:
+def _check_id_range(ids: list[int]) -> None:
     """Token ids fit a protobuf int32 and are not negative (the vocabulary check comes later,
-    where the tokenizer is known); a ValueError naming the first that does not."""
-    if isinstance(prompt, str):
-        return
-    bad = next((t for t in prompt if not 0 <= t <= INT32_MAX), None)
+    where the tokenizer is known); a ValueError naming one that does not."""
+    low, high = min(ids), max(ids)
+    bad = low if low < 0 else high if high > INT32_MAX else None
     if bad is not None:
         raise ValueError(f"prompt token id {bad} is out of range; token ids are in [0, 2**31)")
 

@@ -1,7 +1,9 @@
 """Checks on a request's raw JSON before its fields are read, and the safe log of unknown fields.
 
 * Text that is not Unicode: JSON may carry a lone UTF-16 surrogate (`"\\ud800"`), which no
-  tokenizer, protobuf string or UTF-8 writer takes; it is refused with a 400 naming where it is.
+  tokenizer, protobuf string or UTF-8 writer takes; in a field the server reads, or in any field
+  name, it is refused with a 400 naming where it is. The search is one pass in C for a list of
+  numbers or of valid texts, and gives up naming the place past MAX_WALKED_NODES values.
 * Fields OpenAI or vLLM define whose effect this gateway cannot give (`REFUSED_FIELDS`): a 400
   naming them, so a request is never answered as if it had been honoured.
 * Fields nobody defines are ignored, and logged in one bounded, escaped line per request (a name
@@ -10,17 +12,28 @@
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Iterable
+import math
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from frontend.errors import bad_request
+from frontend.request_counts import check_counts
 
 logger = logging.getLogger(__name__)
 
 MAX_LOGGED_FIELDS = 8  # names in the one warning line per request
 MAX_LOGGED_NAME_CHARS = 40  # characters of each name, escaped
+MAX_WALKED_NODES = 1024  # values the surrogate search visits one by one before one pass in C
+ASKS_FOR_NOTHING: tuple[Any, ...] = (
+    None,
+    False,
+    "",
+    [],
+    {},
+)  # what a refused field may hold besides its `allowed`
 _NO_TEXT = frozenset({int, float, bool, type(None)})  # JSON values that hold no string
 
 
@@ -69,13 +82,23 @@ REFUSED_FIELDS: dict[str, Refusal] = {
 }
 
 
-def check_raw_request(raw: Any) -> None:
-    """A 400 for a lone surrogate anywhere in the body or a refused field that asks for something.
+def check_raw_request(
+    raw: Any, counted_fields: tuple[str, ...] = (), read_fields: Collection[str] | None = None
+) -> None:
+    """A 400 for a field with more items than the server takes (`counted_fields`, first: see
+    `frontend.request_counts`), a lone surrogate in a field name or in a field the server reads
+    (`read_fields`; None: every field), or a refused field that asks for something.
 
     Called on the parsed JSON before pydantic reads it; anything not an object is left to pydantic."""
     if not isinstance(raw, dict):
         return
-    bad_path = lone_surrogate_path(raw)
+    check_counts(raw, counted_fields)
+    read = raw if read_fields is None else {k: v for k, v in raw.items() if k in read_fields}
+    try:  # an unread field's value is dropped unseen: only its name is checked (it is logged)
+        bad_path = None if _is_unicode("".join(raw)) else "<field name>"
+        bad_path = bad_path or lone_surrogate_path(read, max_nodes=MAX_WALKED_NODES)
+    except WalkTooLong:  # a field of many small pieces: one pass in C says whether, not where
+        bad_path = None if _is_unicode(json.dumps(read, ensure_ascii=False)) else ""
     if bad_path is not None:
         raise bad_request(
             f"{bad_path or 'the request'} is not valid Unicode: it holds a lone UTF-16 surrogate "
@@ -84,16 +107,40 @@ def check_raw_request(raw: Any) -> None:
         )
     for name, refusal in REFUSED_FIELDS.items():
         value = raw.get(name)
-        if value in (None, False, "", [], {}) or value in refusal.allowed:
+        if value is None or any(
+            json_equal(value, nothing) for nothing in (*ASKS_FOR_NOTHING, *refusal.allowed)
+        ):
             continue
         allowed = ", ".join(repr(v) for v in refusal.allowed)
         hint = f"leave it out{f' or send {allowed}' if allowed else ''}"
         raise bad_request(f"{name} is not supported: {refusal.why}; {hint}", name)
 
 
-def lone_surrogate_path(value: Any, path: str = "") -> str | None:
+def json_equal(a: Any, b: Any) -> bool:
+    """Equal as JSON values: numbers by value (1 and 1.0), but a boolean only to a boolean (Python
+    has `0 == False`; JSON Schema's `enum` does not)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    return type(a) is type(b) and a == b
+
+
+class WalkTooLong(Exception):
+    """The walk of `lone_surrogate_path` visited its `max_nodes` and gave up."""
+
+
+def lone_surrogate_path(value: Any, path: str = "", max_nodes: float = math.inf) -> str | None:
     """The dotted path (`messages.0.content`) of the first string, or field name, in `value` that
-    is not encodable as UTF-8; None when every one is."""
+    is not encodable as UTF-8; None when every one is. A list of numbers, or of strings that are
+    all valid, is one step; past `max_nodes` steps, WalkTooLong."""
+    return _find(value, path, [max_nodes])
+
+
+def _find(value: Any, path: str, budget: list[float]) -> str | None:
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise WalkTooLong
     if isinstance(value, str):
         return None if _is_unicode(value) else path
     if isinstance(value, dict):
@@ -101,14 +148,17 @@ def lone_surrogate_path(value: Any, path: str = "") -> str | None:
             child = f"{path}.{key}" if path else str(key)
             if isinstance(key, str) and not _is_unicode(key):
                 return f"{path}.<field name>" if path else "<field name>"
-            found = lone_surrogate_path(item, child)
+            found = _find(item, child, budget)
             if found is not None:
                 return found
     elif isinstance(value, list):
-        if set(map(type, value)) <= _NO_TEXT:  # a list of token ids: one pass in C, no frame per id
+        kinds = set(map(type, value))
+        if kinds <= _NO_TEXT:  # a list of token ids: one pass in C, no frame per id
+            return None
+        if kinds == {str} and _is_unicode("".join(value)):  # texts, all valid: one pass too
             return None
         for i, item in enumerate(value):
-            found = lone_surrogate_path(item, f"{path}.{i}" if path else str(i))
+            found = _find(item, f"{path}.{i}" if path else str(i), budget)
             if found is not None:
                 return found
     return None

@@ -6,6 +6,8 @@ renders each streamed chunk, so the two always agree on text, tokens and logprob
 
 from __future__ import annotations
 
+import dataclasses
+
 from frontend.generate import Generation
 from frontend.protocol import (
     ChatLogprobs,
@@ -32,15 +34,37 @@ def concat_steps(steps: list[Step]) -> Step:
 
 
 def usage_of(gens: list[Generation]) -> UsageInfo:
-    """Prompt, cached prompt and generated tokens of a request's generations, as they stand."""
-    num_prompt_tokens = sum(len(g.prompt_ids) for g in gens)
+    """Prompt, cached prompt and generated tokens of a request's generations, as they stand: each
+    prompt counted once however many samples it has (as OpenAI counts `n`), every sample's tokens
+    (`best_of`'s unreturned ones too)."""
+    billed = [g for g in gens if g.bills_prompt]
+    num_prompt_tokens = sum(len(g.prompt_ids) for g in billed)
     num_completion_tokens = sum(g.num_generated_tokens for g in gens)
     return UsageInfo(
         prompt_tokens=num_prompt_tokens,
         completion_tokens=num_completion_tokens,
         total_tokens=num_prompt_tokens + num_completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(g.num_cached_tokens for g in gens)),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(g.num_cached_tokens for g in billed)),
     )
+
+
+def best_choices(steps: list[list[Step]], n: int, num_samples: int, keep_logprobs: bool) -> list[Step]:
+    """The choices of whole responses from every sample's steps (prompt-major, `num_samples` a
+    prompt): all of them, or, when more were drawn than asked for (`best_of`), each prompt's `n` of
+    highest cumulative logprob, best first, without the logprobs drawn for the ranking alone."""
+    whole = [concat_steps(s) for s in steps]
+    if num_samples == n:
+        return whole
+    chosen: list[Step] = []
+    for start in range(0, len(whole), num_samples):
+        ranked = sorted(whole[start : start + num_samples], key=_cumulative_logprob, reverse=True)[:n]
+        chosen += ranked if keep_logprobs else [dataclasses.replace(step, logprobs=None) for step in ranked]
+    return chosen
+
+
+def _cumulative_logprob(step: Step) -> float:
+    pairs = zip(step.token_ids, step.logprobs or [])
+    return sum(_sampled_logprob(token_id, entries) or 0.0 for token_id, entries in pairs)
 
 
 class TokenRenderer:

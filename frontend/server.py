@@ -3,7 +3,9 @@
 Used by the Ray actor and by tests: `start()` returns once the socket is bound (port 0 picks a
 free port; `address` says which), `stop()` returns once the server has shut down. The socket is
 bound here, before uvicorn runs, so a port that is taken is one clear error raised by `start()`
-(uvicorn would log it and exit its thread with a bare status code).
+(uvicorn would log it and exit its thread with a bare status code). Connections are served by
+`frontend.http_protocol` under the app's settings (`build_app` leaves them in `app.state.settings`):
+read deadlines, the per-client connection cap, JSON errors for malformed requests.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import threading
 
 import uvicorn
 from fastapi import FastAPI
+
+from frontend.http_protocol import ConnectionLimits, GatewayHTTPConfig
+from frontend.settings import GatewaySettings
 
 
 class _Server(uvicorn.Server):
@@ -60,12 +65,21 @@ def bind_listening_socket(host: str, port: int) -> socket.socket:
 
 
 class GatewayServer:
-    """Owns one uvicorn server and the thread running its event loop."""
+    """Owns one uvicorn server and the thread running its event loop.
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+    `limits` bound slow and idle clients; by default, those of the app's settings (or the
+    settings' defaults, for an app without them)."""
+
+    def __init__(
+        self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, limits: ConnectionLimits | None = None
+    ) -> None:
         self.app = app
         self.host = host
         self.port = port
+        settings = getattr(app.state, "settings", None)
+        self.limits = limits or ConnectionLimits.of(
+            settings if isinstance(settings, GatewaySettings) else GatewaySettings.model_validate({})
+        )
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -83,7 +97,16 @@ class GatewayServer:
         if self._thread is not None:
             raise RuntimeError(f"gateway already running on {self.address}")
         sock = bind_listening_socket(self.host, self.port)
-        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", lifespan="on")
+        on_refusal = getattr(self.app.state, "on_refusal", lambda reason: None)
+        config = GatewayHTTPConfig(
+            self.app,
+            self.limits,
+            on_refusal,
+            host=self.host,
+            port=self.port,
+            log_level="warning",
+            lifespan="on",
+        )
         self._server = server = _Server(config)
         self._thread = threading.Thread(target=self._run, args=(sock,), name="gateway-uvicorn", daemon=True)
         self._thread.start()

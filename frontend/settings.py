@@ -68,6 +68,18 @@ class GatewaySettings(BaseModel):
         description="a text prompt's character limit, checked before tokenizing; "
         "None: CHARS_PER_TOKEN_BOUND per token of max_model_len",
     )
+    # Slow or idle clients (frontend.http_protocol): what bounds the connections they hold.
+    header_read_timeout_s: float = Field(
+        30.0, gt=0, description="a request's line and headers must arrive within it (a new connection's too)"
+    )
+    body_read_timeout_s: float = Field(30.0, gt=0, description="longest silence within a request body")
+    request_read_timeout_s: float = Field(
+        120.0, gt=0, description="a whole request, headers and body, must arrive within it"
+    )
+    keep_alive_timeout_s: float = Field(30.0, gt=0, description="an idle connection between requests")
+    max_connections_per_client: int | None = Field(
+        1024, ge=1, description="open connections one client address may hold; None: no cap"
+    )
 
     @property
     def prompt_chars_limit(self) -> int:

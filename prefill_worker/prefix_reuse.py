@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.prefix_cache.imported import ImportedPrefix
-from splitserve.engine.prefix_store.fetcher import PrefixFetcher, StoredMatch
-from splitserve.engine.prefix_store.publisher import PrefixPublisher
 from splitserve.prefix_hash import prefix_hash_chain
 from splitserve.state.client import StateStoreClient
+from splitserve.worker.prefix_store.fetcher import PrefixFetcher, StoredMatch
+from splitserve.worker.prefix_store.publisher import PrefixPublisher
 
 LOOKUP_TIMEOUT_S = 5.0  # a store that does not answer a lookup in this long is skipped: compute instead
 # A stored prefix is imported when it covers at least this many prefix units past the engine's
@@ -105,4 +105,3 @@ class PrefixReuse:
             if address not in self._clients:
                 self._clients[address] = StateStoreClient(address, timeout_s=LOOKUP_TIMEOUT_S)
             return self._clients[address]
-

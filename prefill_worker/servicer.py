@@ -23,7 +23,12 @@ from splitserve.state.errors import StateStoreError
 from splitserve.state.status import status_code
 from splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from splitserve.worker.cache_report import CacheReporter
-from splitserve.worker.messages import first_token_response, sampling_params_or_abort
+from splitserve.worker.messages import (
+    first_token_response,
+    sample_ids,
+    sample_start,
+    sampling_params_or_abort,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -96,14 +101,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 abort(context, status_code(exc), f"writing state to {request.store_address} failed: {exc}")
             export = writer.write
         done = threading.Event()
-        result: list[RequestUpdate] = []
+        ids = sample_ids(rid, params)  # n > 1: every sample ends on its first token, drawn here
+        results: dict[str, RequestUpdate] = {}
 
         def on_update(update: RequestUpdate) -> None:
             if update.finished:
-                result.append(update)
-                done.set()
+                results[update.request.request_id] = update
+                if len(results) == len(ids):
+                    done.set()
 
-        self.loop.watch(rid, on_update)
+        for engine_id in ids:
+            self.loop.watch(engine_id, on_update)
         prompt, sent = list(request.prompt_token_ids), list(request.output_token_ids)  # sent: failover
         chain, stored = list(request.prefix_hashes) or None, None  # None: the engine hashes the prompt
         if self.prefixes is not None:  # a prefix the stores hold further than the engine streams in
@@ -140,16 +148,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 imported = self.prefixes.read(stored, chain or [])  # off the engine thread
                 self.loop.call(lambda e: self._add_with(e, add, imported)).result()
         except ValueError as exc:
-            self.loop.unwatch(rid)
+            for engine_id in ids:
+                self.loop.unwatch(engine_id)
             writer.cancel()
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         context.add_callback(lambda: None if done.is_set() else self._abort(rid))
         started = time.time()
-        if not done.wait(self.request_timeout_s) or not result:
+        if not done.wait(self.request_timeout_s):
             self._abort(rid)
             writer.cancel()
             abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {rid} did not finish in time")
-        update = result[0]
+        updates = [results[engine_id] for engine_id in ids]
+        update = updates[0]
         queue_s = update.queue_s or 0.0
         prefill_s = max(0.0, time.time() - started - queue_s)  # from its first schedule
         put_started = time.time()
@@ -159,10 +169,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             abort(context, status_code(exc), f"writing state to {request.store_address} failed: {exc}")
         put_s = time.time() - put_started
         stream_s = writer.stream_s()
-        req = update.request
-        reason = None if req.finish_reason == HANDOFF else req.finish_reason
-        if req.finish_reason == "abort":
+        ended = [None if u.request.finish_reason == HANDOFF else u.request.finish_reason for u in updates]
+        if "abort" in ended:
             abort(context, grpc.StatusCode.CANCELLED, f"request {rid} was aborted")
+        reason = None if None in ended else ended[0]  # a decode follows unless every sample ended
         timing = prefill_pb2.PrefillTiming(
             arrival_unix_s=arrival,
             queue_s=queue_s,
@@ -172,6 +182,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             state_stream_s=stream_s,
         )
         response = first_token_response(update, reason, timing)
+        if len(updates) > 1:
+            response.samples.extend(sample_start(u, why) for u, why in zip(updates, ended))
         if reason is None:
             response.state.CopyFrom(
                 common_pb2.StateHandle(
@@ -213,6 +225,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self, request: prefill_pb2.AbortPrefillRequest, context: grpc.ServicerContext
     ) -> prefill_pb2.AbortPrefillResponse:
         rid = request.request_id
-        found = self.loop.call(lambda e: rid in e.requests).result()
+        found = self.loop.call(lambda e: e.has_request(rid)).result()
         self._abort(rid)
         return prefill_pb2.AbortPrefillResponse(found=found)

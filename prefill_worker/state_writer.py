@@ -5,12 +5,13 @@ reads it there), so pieces go through its shared-memory arena; a decode's own st
 node (two hops, when the gateway knows no stores) gets bytes. The engine thread only queues each
 piece it hands over (a copy of one prefill chunk's MLA rows of one layer, or a KDA state after
 the last chunk); pieces under `HOLD_BYTES` in all wait and go together (one wakeup of the sending
-thread, one message), and the put's call was opened when the previous put was acknowledged. A
-piece on the CPU goes to `write_state` (the sending thread copies it once
-into the arena, or cuts and sends it as bytes); a piece on a device goes as a lazy `encode`, whose
-copy to the host runs on the sending thread. Checksums are computed there too, so the engine
-never waits on the network, on a checksum or on a device sync. `finish` seals the key and waits
-for the store's ack.
+thread, one message), and the put's call was opened when the previous put was acknowledged. Every
+piece goes through `state_codec.write_state`: on the CPU its tensor is read in place; on a
+device one copy into a pinned host buffer is queued on a side stream (the engine thread does not
+wait for it). The sending thread (waiting for that copy first) copies the bytes once into the
+store's arena, or cuts them into gRPC bytes for a store on another node, and checksums them, so
+the engine never waits on the network, on a checksum or on a device sync. `finish` seals the key
+and waits for the store's ack.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import time
 
 import torch
 
-from splitserve.engine.state_codec import encode, write_host_state
+from splitserve.engine.host_staging import PinnedCopy
+from splitserve.engine.state_codec import write_state
 from splitserve.engine.state_transfer import LayerState
 from splitserve.state import StateKind
 from splitserve.state.client import StateStoreClient
@@ -48,7 +50,7 @@ class StateWriter:
         self.first_write_s: float | None = None  # monotonic time the first piece was queued
         self._client = client
         self._sent_until: dict[int, int] = {}  # MLA layer -> rows [0, n) already queued
-        self._held: list[torch.Tensor] = []  # what write_state reads in place, until finish
+        self._held: list[torch.Tensor | PinnedCopy] = []  # what the put reads, until finish
         # with the state's size the store's arena holds it in one region of that size;
         # shared_memory False: another node's store (two hops), written over the network
         sharing = {} if shared_memory is None else {"shared_memory": shared_memory}
@@ -76,10 +78,7 @@ class StateWriter:
         if self.first_write_s is None:
             self.first_write_s = time.monotonic()
         self.num_bytes += state.num_bytes
-        if state.tensor.device.type != "cpu":
-            self._put.write(encode(state, self.key))  # a generator: runs on the sending thread
-            return
-        self._held.append(write_host_state(self._put, state))
+        self._held.append(write_state(self._put, state))
 
     def finish(self, timeout_s: float) -> None:
         """Seals the key and waits for the store; raises the store's error (`StateStoreError`)."""

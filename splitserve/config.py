@@ -141,13 +141,25 @@ class GatewayConfig(_Section):
     max_prompt_chars: int | None = Field(default=None, ge=1)
     # requests past the decode pool's room wait in a FIFO queue this long at most; past it, 429
     max_queued_requests: int = Field(default=1024, ge=0)
+    # Slow and idle clients. A request's line and headers must arrive within header_read_timeout_s
+    # (a new connection that sends nothing is closed after it); a body may fall silent for at most
+    # body_read_timeout_s; the whole request must arrive within request_read_timeout_s; an idle
+    # connection between requests is closed after keep_alive_timeout_s. Past these, a 408 and close.
+    header_read_timeout_s: float = Field(default=30, gt=0)
+    body_read_timeout_s: float = Field(default=30, gt=0)
+    request_read_timeout_s: float = Field(default=120, gt=0)
+    keep_alive_timeout_s: float = Field(default=30, gt=0)
+    # open connections one client address may hold; past it, a 429 and close; null: no cap
+    max_connections_per_client: int | None = Field(default=1024, ge=1)
 
 
 class PoolConfig(_Section):
     """One worker pool: how many replicas, what each reserves from Ray, and its engine knobs.
 
     The replicas of a pool share one Ray placement group per resize step, with `placement` as
-    its strategy (PACK: fill nodes in turn; STRICT_SPREAD: one replica per node).
+    its strategy (PACK: fill nodes in turn; STRICT_SPREAD: one replica per node). `resources`
+    are custom Ray resources each replica's bundle reserves besides its CPUs and GPUs, which
+    keeps the pool to the nodes started with them (`ray start --resources`).
     """
 
     replicas: int = Field(default=1, ge=0)
@@ -155,6 +167,7 @@ class PoolConfig(_Section):
     num_gpus: float = Field(default=0, ge=0)
     tensor_parallel: int = Field(default=1, ge=1)
     placement: PlacementStrategy = "PACK"
+    resources: dict[str, float] = Field(default_factory=dict)  # e.g. {"decode_host": 1}
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     max_num_seqs: int = Field(default=64, ge=1)
     kv_cache_memory_bytes: ByteSize = 256 * 2**20
@@ -167,6 +180,16 @@ class PoolConfig(_Section):
     # what `config plan` and `up` check the weights, cache and activations against (one GPU, or
     # the host's RAM for a CPU pool); None: the device visible where the plan is made
     device_memory_bytes: ByteSize | None = None
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if name in ("CPU", "GPU"):
+                raise ValueError(f"{name!r} is not a custom resource: set num_{name.lower()}s instead")
+            if not name or amount <= 0:
+                raise ValueError(f"each resource needs a name and an amount above 0 (got {name!r}: {amount})")
+        return value
 
     @field_validator("tensor_parallel")
     @classmethod

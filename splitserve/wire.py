@@ -42,6 +42,8 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         msg.max_tokens = params.max_tokens
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.best_of is not None:
+        msg.best_of = params.best_of
     return msg
 
 
@@ -65,6 +67,7 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         skip_special_tokens=msg.skip_special_tokens,
         include_stop_str_in_output=msg.include_stop_str_in_output,
+        best_of=msg.best_of if msg.HasField("best_of") else None,
     )
 
 

@@ -19,6 +19,7 @@ from splitserve.wire import (
     [
         SamplingParams(),
         SamplingParams(temperature=0.0, max_tokens=None, logprobs=0),
+        SamplingParams(n=3, best_of=5, seed=9),
         SamplingParams(
             temperature=0.7,
             top_p=0.9,

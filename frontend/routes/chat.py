@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions: the messages through the chat template, one choice."""
+"""POST /v1/chat/completions: the messages through the chat template, `n` choices of one prefill."""
 
 from __future__ import annotations
 
@@ -42,12 +42,12 @@ class ChatView:
         self.model_name = model_name
         self.gens = gens
         self.renderer = renderer
-        self._sent_role = False
+        self._sent_role: set[int] = set()  # choices whose role chunk went out
 
     def chunk(self, index: int, step: Step) -> list[str]:
         out = []
-        if not self._sent_role:
-            self._sent_role = True
+        if index not in self._sent_role:
+            self._sent_role.add(index)
             role = ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
             out.append(self._chunk([role]))
         piece = ChatChunkChoice(
@@ -61,16 +61,20 @@ class ChatView:
         return out
 
     def whole(self, steps: list[list[Step]]) -> ChatCompletionResponse:
-        step = concat_steps(steps[0])
-        choice = ChatChoice(
-            index=0,
-            message=ChatMessageOut(content=step.text),
-            logprobs=self.renderer.chat_logprobs(step),
-            finish_reason=step.finish_reason,
-            stop_reason=step.stop_reason,
-        )
+        choices = []
+        for index, choice_steps in enumerate(steps):
+            step = concat_steps(choice_steps)
+            choices.append(
+                ChatChoice(
+                    index=index,
+                    message=ChatMessageOut(content=step.text),
+                    logprobs=self.renderer.chat_logprobs(step),
+                    finish_reason=step.finish_reason,
+                    stop_reason=step.stop_reason,
+                )
+            )
         return ChatCompletionResponse(
-            id=self.request_id, model=self.model_name, choices=[choice], usage=usage_of(self.gens)
+            id=self.request_id, model=self.model_name, choices=choices, usage=usage_of(self.gens)
         )
 
     def usage_chunk(self) -> str:

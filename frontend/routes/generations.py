@@ -1,5 +1,5 @@
 """What completions and chat share before any worker is touched: the model check, the prompts'
-token ids, the sampling params and one `Generation` per prompt."""
+token ids, the sampling params and one `Generation` per prompt, or per sample of it (n, best_of)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import uuid
 from frontend.generate import Generation, Pipeline
 from frontend.inputs import check_model, prompt_ids, sampling_params_for
 from frontend.protocol import ChatCompletionRequest, CompletionRequest
+from frontend.samples import SampleGroup, SharedPrefill
 
 
 async def generations_for(
@@ -21,7 +22,11 @@ async def generations_for(
     prompts = await prompt_ids(body, pipeline.tokenizer, pipeline.settings.prompt_chars_limit)
     params = sampling_params_for(body, prompts, pipeline.settings.max_model_len, pipeline.tokenizer)
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-    gens = [
-        Generation(pipeline, f"{request_id}-{i}", ids, params, arrival_s) for i, ids in enumerate(prompts)
-    ]
+    gens: list[Generation] = []
+    for i, ids in enumerate(prompts):
+        if params.num_samples == 1:
+            gens.append(Generation(pipeline, f"{request_id}-{i}", ids, params, arrival_s))
+        else:  # n (best_of) choices of one prefill, in order: prompt-major, then sample index
+            leader = SharedPrefill(pipeline, f"{request_id}-{i}", ids, params, arrival_s, counted=False)
+            gens.extend(SampleGroup(leader).samples)
     return request_id, gens

@@ -1,8 +1,9 @@
 """The cache tensors of one engine and the allocators that hand out their blocks and slots.
 
-`BlockAllocator` owns block ids (all MLA layers share one block table per request);
-`SlotAllocator` owns KDA state slots and zeroes a slot on allocation, so a fresh request always
-starts from the zero state. Neither knows about requests; the scheduler holds the ids.
+`BlockAllocator` owns block ids (all MLA layers share one block table per request), counting the
+block tables that hold each; `SlotAllocator` owns KDA state slots and zeroes a slot on allocation,
+so a fresh request always starts from the zero state. Neither knows about requests; the scheduler
+holds the ids. `copy_kv_rows` and `copy_state_slot` copy between blocks and slots (copy on write).
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ from splitserve.engine.model_config import KimiLinearModelConfig
 
 
 class BlockAllocator:
-    """Free list of KV block ids; `allocate` is all-or-nothing."""
+    """Free list of KV block ids, each counted by the block tables holding it (`share` adds one:
+    samples of one prompt share its blocks); a block is free again when none holds it.
+    `allocate` is all-or-nothing."""
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
+        self._refs = [0] * num_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -28,10 +32,28 @@ class BlockAllocator:
     def allocate(self, count: int) -> list[int] | None:
         if count > len(self._free):
             return None
-        return [self._free.pop() for _ in range(count)]
+        return self._take(count)
+
+    def _take(self, count: int) -> list[int]:
+        """`count` blocks off the free list, each held by one block table."""
+        got = [self._free.pop() for _ in range(count)]
+        for b in got:
+            self._refs[b] = 1
+        return got
+
+    def share(self, block_ids: list[int] | tuple[int, ...]) -> None:
+        """One more block table holds these (held) blocks."""
+        for b in block_ids:
+            self._refs[b] += 1
 
     def free(self, block_ids: list[int]) -> None:
-        self._free.extend(reversed(block_ids))
+        for b in reversed(block_ids):
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free.append(b)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._refs[block_id]
 
 
 class SlotAllocator:
@@ -58,6 +80,23 @@ class SlotAllocator:
 
     def free(self, slot: int) -> None:
         self._free.append(slot)
+
+
+def copy_kv_rows(caches: LayerCaches, src_block: int, dst_block: int, num_rows: int, block_size: int) -> None:
+    """Copy the first `num_rows` rows of block `src_block` into `dst_block`, in every MLA layer."""
+    src, dst = src_block * block_size, dst_block * block_size
+    for kv in caches.mla_kv.values():
+        kv[dst : dst + num_rows].copy_(kv[src : src + num_rows])
+
+
+def copy_state_slot(caches: LayerCaches, src_slot: int, dst_slot: int) -> None:
+    """Copy every KDA layer's conv and recurrent state from `src_slot` into `dst_slot` (its
+    ReplaySSM records folded into the state first, so the copy is exact)."""
+    if caches.replay is not None:
+        caches.replay.flush(src_slot)
+        caches.replay.reset(dst_slot)
+    for t in (*caches.kda_conv.values(), *caches.kda_recurrent.values()):
+        t[dst_slot].copy_(t[src_slot])
 
 
 def allocate_caches(

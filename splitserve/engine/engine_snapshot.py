@@ -30,7 +30,7 @@ class EngineSnapshot:
     taken_s: float
     num_waiting: int
     num_running: int
-    num_reserved: int  # room held for requests whose state is arriving
+    num_reserved: int  # room held for requests whose state is arriving (one per sample of each)
     max_num_seqs: int
     num_free_kv_blocks: int
     num_total_kv_blocks: int
@@ -53,7 +53,7 @@ class EngineSnapshot:
             taken_s=taken_s,
             num_waiting=len(sched.waiting),
             num_running=len(sched.running),
-            num_reserved=len(sched.reserved),
+            num_reserved=sched.num_seqs - len(sched.running),
             max_num_seqs=engine.config.max_num_seqs,
             num_free_kv_blocks=sched.blocks.num_free_blocks,
             num_total_kv_blocks=engine.plan.num_blocks,

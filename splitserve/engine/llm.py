@@ -41,28 +41,36 @@ class LLM:
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
+        """One `RequestOutput` per prompt, in order; `n` samples of a prompt (its prompt computed
+        once) are its `outputs`, by sample index, or with `best_of` the `n` of highest cumulative
+        logprob, best first (each keeps its sample index)."""
         texts, id_lists = self._inputs(prompts, prompt_token_ids)
         params = self._params(sampling_params, len(id_lists))
+        groups: list[tuple[str, SamplingParams, list[Request]]] = []
         requests: list[Request] = []
         detoks: dict[str, IncrementalDetokenizer] = {}
         try:
             for text, ids, sp in zip(texts, id_lists, params):
                 request_id = str(next(self._ids))
-                requests.append(self.engine.add_request(request_id, list(ids), sp, prompt=text))
+                first = self.engine.add_request(request_id, list(ids), sp, prompt=text)
+                samples = [first, *first.samples_to_fork]
+                groups.append((request_id, sp, samples))
+                requests.extend(samples)
                 if self.tokenizer is not None:
-                    detoks[request_id] = IncrementalDetokenizer(
-                        self.tokenizer,
-                        list(ids),
-                        sp.stop,
-                        sp.skip_special_tokens,
-                        sp.include_stop_str_in_output,
-                    )
+                    for r in samples:
+                        detoks[r.request_id] = IncrementalDetokenizer(
+                            self.tokenizer,
+                            list(ids),
+                            sp.stop,
+                            sp.skip_special_tokens,
+                            sp.include_stop_str_in_output,
+                        )
             self._run(requests, detoks, use_tqdm)
         except BaseException:
             for r in requests:
                 self.engine.abort_request(r.request_id)
             raise
-        return [self._output(r, detoks.get(r.request_id)) for r in requests]
+        return [self._group_output(request_id, sp, samples, detoks) for request_id, sp, samples in groups]
 
     def shutdown(self) -> None:
         """End the engine's other ranks (with `tensor_parallel_size` > 1; otherwise nothing to end).
@@ -113,18 +121,46 @@ class LLM:
         return params
 
     def _output(self, request: Request, detok: IncrementalDetokenizer | None) -> RequestOutput:
-        ids = list(request.output_token_ids)
+        """The output of one request of one sample."""
+        detoks = {request.request_id: detok} if detok is not None else {}
+        return self._group_output(request.request_id, request.params, [request], detoks)
+
+    def _group_output(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        samples: list[Request],
+        detoks: dict[str, IncrementalDetokenizer],
+    ) -> RequestOutput:
+        completions = [self._completion(r, detoks.get(r.request_id)) for r in samples]
+        if params.ranks_samples:
+            completions.sort(key=lambda c: c.cumulative_logprob or 0.0, reverse=True)
+            completions = completions[: params.n]
+            if params.logprobs is None:  # drawn for the ranking only
+                for c in completions:
+                    c.logprobs = None
+        first = samples[0]
+        return RequestOutput(
+            request_id,
+            first.prompt,
+            first.prompt_token_ids,
+            completions,
+            True,
+            num_cached_tokens=first.num_cached_tokens,
+        )
+
+    @staticmethod
+    def _completion(request: Request, detok: IncrementalDetokenizer | None) -> CompletionOutput:
         text = ""
         if detok is not None:
             detok.flush()
             text = detok.text
         logprobs = list(request.output_logprobs) if request.params.logprobs is not None else None
-        completion = CompletionOutput(
-            index=0,
-            token_ids=ids,
+        return CompletionOutput(
+            index=request.sample_index,
+            token_ids=list(request.output_token_ids),
             text=text,
             logprobs=logprobs,
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
         )
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion], True)

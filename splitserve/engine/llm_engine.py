@@ -18,9 +18,11 @@ from splitserve.engine.cuda_graph_plan import plan_decode_padding
 from splitserve.engine.loader import load_model
 from splitserve.engine.model_config import KimiLinearModelConfig
 from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.ops.kda_dispatch import kda_backend
 from splitserve.engine.parallel.commands import AbortRequest, AddRequest, FinishRequest, PromptLogits, Step
 from splitserve.engine.parallel.group import SINGLE, TensorParallel
 from splitserve.engine.parallel.ranks import RankProcesses, rank_config
+from splitserve.engine.parallel_sampling import SampleForker, SampleStart, make_samples
 from splitserve.engine.prefix_cache import ImportedPrefix, PrefixCacheStats, PrefixEvent, RetainedPrefix
 from splitserve.engine.prefix_cache.cache import PrefixCache, make_prefix_cache
 from splitserve.engine.prefix_cache.match import find_hit
@@ -32,8 +34,9 @@ from splitserve.engine.state_transfer import LayerState, token_rows
 from splitserve.engine.stopping import check_stop
 from splitserve.engine.swap_space import SwapSpace, SwapStats, make_swapper
 from splitserve.engine.transfer_sink import TransferSink
+from splitserve.engine.warm_up import use_kernel_caches, warm_up_engine
 from splitserve.engine_config import EngineConfig
-from splitserve.sampling_params import SamplingParams
+from splitserve.sampling_params import MAX_SAMPLES, SamplingParams, sample_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -67,16 +70,20 @@ class LLMEngine:
     processes (engine/parallel/), each an `LLMEngine` of its own over its shard, and forwards every
     call that changes state to them (`parallel/commands.py`); it alone samples. `shutdown()` (or
     the engine being dropped, or the interpreter leaving) ends them. A rank's engine is built with
-    its `tp` given and forwards nothing.
+    its `tp` given and forwards nothing. Every rank ends its construction with the same warm-up
+    (engine/warm_up.py), so the warm-up's steps meet in the same collectives on every rank.
     """
 
     def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
+        load_start_s = time.monotonic()
         self.ranks: RankProcesses | None = None
         if tp is None and config.tensor_parallel_size > 1:
             config = rank_config(config, 0)
+            # refused before any rank starts; each rank checks its own device again as it builds
+            _check_kernels(_model_config(config), torch.device(config.device))
             self.ranks, tp = RankProcesses.launch(config)
         try:
-            self._build(config, tp or SINGLE)
+            self._build(config, tp or SINGLE, load_start_s)
             if self.ranks is not None:
                 self.ranks.wait_ready()
         except BaseException as exc:
@@ -87,17 +94,19 @@ class LLMEngine:
                     raise RuntimeError("a rank failed to start:\n" + "\n".join(failures)) from exc
             raise
 
-    def _build(self, config: EngineConfig, tp: TensorParallel) -> None:
+    def _build(self, config: EngineConfig, tp: TensorParallel, load_start_s: float) -> None:
         self.config = config
         self.tp = tp
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         path = Path(config.model).expanduser()
-        self.model_config = KimiLinearModelConfig.from_pretrained(path)
+        self.model_config = _model_config(config)
         mc = self.model_config
         if mc.hidden_act != "silu":
             raise ValueError(f"hidden_act {mc.hidden_act!r} is not supported (only 'silu')")
         self.device = torch.device(config.device)
+        use_kernel_caches(self.device)  # before anything compiles: a restart finds the kernels there
+        _check_kernels(mc, self.device)  # on every rank, before the weights load
         dtype = getattr(torch, config.dtype)  # EngineConfig.dtype is a torch dtype name
         context_len(mc, config)  # a max_model_len beyond the checkpoint's fails before the weights load
         self.model = load_model(mc, path, dtype, self.device, tp)
@@ -119,6 +128,7 @@ class LLMEngine:
             *self._block_pool(),
             swapper=self.swapper,
         )
+        self.forker = SampleForker(self.scheduler, self.caches, config.block_size)
         self.sampler = Sampler(mc.vocab_size, mc.eos_token_ids, device=self.device, base_seed=config.seed)
         self.runner = ModelRunner(
             self.model,
@@ -133,6 +143,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._sinks: dict[str, TransferSink] = {}  # reserved requests' state, written from any thread
         self._arrivals = itertools.count()
+        self.warm_up = warm_up_engine(self, load_start_s)  # compiles, autotunes before the first request
         logger.info(
             "engine ready: %d KV blocks x %d tokens, %d state slots, %.1f MiB of cache; %d prefix snapshots",
             self.plan.num_blocks,
@@ -207,33 +218,47 @@ class LLMEngine:
         A preempted request recomputes and exports its rows again. `prefill_only` without `export`:
         the same end after the first token, nothing exported (a tensor-parallel rank's copy).
         """
+        if output_token_ids and params.num_samples > 1:
+            raise ValueError(
+                "a request resumed with output_token_ids is one sample: send n=1 with that sample's seed"
+            )
         if self.ranks is not None:
             if export is not None or imported_prefix is not None:
                 raise ValueError(
                     "a tensor-parallel engine does not hand off or import state yet (its ranks' head-ranged "
                     "pieces are not wired to the store: issue 26, part 4); use tensor_parallel_size 1 for it"
                 )
+            # every rank makes the same samples of it and forks them at the same step
             self.ranks.send(
                 AddRequest(
                     request_id, list(prompt_token_ids), params, prefill_only, prefix_hashes, output_token_ids
                 )
             )
-        request = self._new_request(request_id, prompt_token_ids, params, prompt)
+        first = self._new_request(request_id, prompt_token_ids, params, prompt)
+        samples = make_samples(
+            first,
+            lambda rid, p: Request(
+                rid, first.prompt_token_ids, p, first.max_tokens, next(self._arrivals), prompt=prompt
+            ),
+        )
+        request = samples[0]
         if output_token_ids:
             request.output_token_ids = self._resumed_outputs(request, output_token_ids)
             request.num_given_output_tokens = len(request.output_token_ids)
-        request.prefill_only = export is not None or prefill_only
         request.export = export
         if self.prefix_cache is not None:
             self.prefix_cache.check_request(request, prefix_hashes, imported_prefix)
-        self.requests[request_id] = request
+        for sample in samples:
+            sample.prefill_only = export is not None or prefill_only
+            sample.prefix_hashes = request.prefix_hashes
+            self.requests[sample.request_id] = sample
         self.scheduler.add(request)
         return request
 
     def _new_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None
     ) -> Request:
-        if request_id in self.requests:
+        if self._engine_ids(request_id):
             raise ValueError(f"request id {request_id!r} is already in flight")
         ids = self.validate_prompt(prompt_token_ids)
         room = self.max_model_len - len(ids)
@@ -250,22 +275,32 @@ class LLMEngine:
             )
         return ids
 
-    def reserve_transfer(self, request_id: str, num_prompt_tokens: int) -> bool:
+    def reserve_transfer(self, request_id: str, num_prompt_tokens: int, num_samples: int = 1) -> bool:
         """Hold a slot and KV blocks for a prompt of `num_prompt_tokens` whose state another engine
-        computes. False when there is no room now (the caller retries elsewhere or later)."""
+        computes, and a slot and a block for each further sample it forks into on admission
+        (`admit_transferred_samples`). False when there is no room now (the caller retries
+        elsewhere or later)."""
         if self.tp.size > 1:
             raise ValueError(
                 "a tensor-parallel engine does not take handed-off state yet (its ranks' head-ranged "
                 "pieces are not wired to the store: issue 26, part 4); run decode at tensor_parallel_size 1"
             )
-        if request_id in self.requests:
+        if self._engine_ids(request_id):
             raise ValueError(f"request id {request_id!r} is already in flight")
         if not 0 < num_prompt_tokens < self.max_model_len:
             raise ValueError(
                 f"prompt has {num_prompt_tokens:,} tokens; this model takes 1 to {self.max_model_len - 1:,}"
             )
+        if not 1 <= num_samples <= self.config.max_num_seqs:
+            raise ValueError(
+                f"{num_samples} samples need as many state slots; this worker runs at most "
+                f"{self.config.max_num_seqs} requests (max_num_seqs)"
+            )
         placeholder = Request(request_id, [0] * num_prompt_tokens, SamplingParams(), 1, next(self._arrivals))
         if not self.scheduler.reserve(placeholder, num_prompt_tokens + 1):
+            return False
+        if num_samples > 1 and not self.forker.reserve_room(placeholder, num_samples - 1):
+            self.scheduler.finish(placeholder, "abort")
             return False
         assert placeholder.state_slot is not None
         self.requests[request_id] = placeholder
@@ -327,6 +362,47 @@ class LLMEngine:
         self.scheduler.admit_reserved(reserved)
         return reserved
 
+    def admit_transferred_samples(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, starts: list[SampleStart]
+    ) -> list[Request]:
+        """`admit_transferred` for a request of several samples: `starts[i]` is sample i's first
+        token, drawn where the prompt was computed. The samples not finished by it join the batch
+        (ids `sample_request_id(request_id, i)`): the first takes the reserved state, the others
+        fork it into the room `reserve_transfer` held for them; room left over is given back."""
+        if len(starts) != params.num_samples:
+            raise ValueError(f"{len(starts)} first tokens for {params.num_samples} samples")
+        live = [i for i, start in enumerate(starts) if not start.finished]
+        reserved = self.scheduler.reserved.get(request_id)
+        if not live or reserved is None or len(reserved.fork_slots) < len(live) - 1:
+            room = "no reservation" if reserved is None else f"room for {1 + len(reserved.fork_slots)}"
+            raise ValueError(f"{len(live)} samples of {request_id} to decode; {room} was reserved")
+        head = starts[live[0]]
+        parent = self.admit_transferred(
+            request_id, prompt_token_ids, params.for_sample(live[0]), head.token_id, head.logprobs
+        )
+        self.requests.pop(request_id)
+        parent.request_id, parent.sample_index = sample_request_id(request_id, live[0]), live[0]
+        self.requests[parent.request_id] = parent
+        admitted = [parent]
+        for i in live[1:]:
+            sample = Request(
+                sample_request_id(request_id, i),
+                parent.prompt_token_ids,
+                params.for_sample(i),
+                parent.max_tokens,
+                next(self._arrivals),
+                output_token_ids=[starts[i].token_id],
+                sample_index=i,
+            )
+            logprobs = starts[i].logprobs
+            if logprobs is not None:
+                sample.output_logprobs.append(logprobs)
+            self.forker.fork(parent, sample)  # into the reserved room: cannot fail
+            self.requests[sample.request_id] = sample
+            admitted.append(sample)
+        self.scheduler.release_fork_room(parent)
+        return admitted
+
     def _in_vocab(self, token_ids: list[int], what: str) -> list[int]:
         ids = [int(t) for t in token_ids]
         vocab = self.model_config.vocab_size
@@ -373,14 +449,32 @@ class LLMEngine:
             scheduler.release(request)
 
     def abort_request(self, request_id: str) -> None:
+        """Abort a request (every sample of one with several), or one sample by its own id."""
         if self.ranks is not None:
-            self.ranks.send(AbortRequest(request_id))
+            self.ranks.send(AbortRequest(request_id))  # each rank aborts the same samples
+        self._abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
         sink = self._sinks.pop(request_id, None)
         if sink is not None:
             sink.close()  # waits out a piece being written, so its room is freed only after
-        request = self.requests.pop(request_id, None)
-        if request is not None and not request.finished:
-            self.scheduler.finish(request, "abort")
+        for engine_id in self._engine_ids(request_id):
+            request = self.requests.pop(engine_id, None)
+            if request is not None and not request.finished:
+                self.scheduler.finish(request, "abort")
+            for waiting in request.samples_to_fork if request is not None else []:
+                self._abort(waiting.request_id)  # they wait for this one's prompt
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether `request_id` (a request, or one sample of one) is in flight here."""
+        return bool(self._engine_ids(request_id))
+
+    def _engine_ids(self, request_id: str) -> list[str]:
+        """The ids in `requests` a request runs under: its own, or its samples' (parallel_sampling.py)."""
+        if request_id in self.requests:
+            return [request_id]
+        ids = (sample_request_id(request_id, i) for i in range(MAX_SAMPLES))
+        return [engine_id for engine_id in ids if engine_id in self.requests]
 
     def finish_request(self, request_id: str, reason: str, stop_reason: int | str | None = None) -> None:
         """End a request the caller decided is done (a stop string it found in the text): its tokens
@@ -464,9 +558,9 @@ class LLMEngine:
                 s.request.first_scheduled_s = now
         result = self.runner.execute(output.scheduled)
         self.scheduler.postprocess(output, result.token_ids)
+        drawn = self._fork_samples(output.scheduled, result.token_ids)  # before any stop frees a prompt
         updates = []
-        for s in output.scheduled:
-            request = s.request
+        for request in [s.request for s in output.scheduled] + drawn:
             token = result.token_ids.get(request.request_id)
             if token is None:
                 continue
@@ -494,3 +588,38 @@ class LLMEngine:
         if self.replay is not None:  # after the stops: a finished request publishes nothing more
             self.replay.after_step([s.request for s in output.scheduled])
         return updates
+
+    def _fork_samples(self, scheduled: list[ScheduledRequest], token_ids: dict[str, int]) -> list[Request]:
+        """The samples that drew their first token this step from the prompt of one that was
+        scheduled: each takes its token and, unless that ended it (or it is prefill-only), a fork
+        of the prompt's state, or a place in the queue to compute it when there is no room."""
+        drawn = []
+        for s in scheduled:
+            parent, waiting = s.request, s.request.samples_to_fork
+            if not waiting or parent.request_id not in token_ids:
+                continue
+            parent.samples_to_fork = []
+            for sample in waiting:
+                if sample.finished:  # aborted while it waited
+                    continue
+                sample.output_token_ids.append(token_ids[sample.request_id])
+                sample.first_scheduled_s = parent.first_scheduled_s
+                drawn.append(sample)
+                if sample.prefill_only or check_stop(
+                    sample, self.model_config.eos_token_ids, self.max_model_len
+                ):
+                    continue  # ended below
+                if not self.forker.fork(parent, sample):
+                    sample.num_given_output_tokens = 1  # computed with the prompt, sampling goes on after it
+                    self.scheduler.add(sample)
+        return drawn
+
+
+def _model_config(config: EngineConfig) -> KimiLinearModelConfig:
+    return KimiLinearModelConfig.from_pretrained(Path(config.model).expanduser())
+
+
+def _check_kernels(mc: KimiLinearModelConfig, device: torch.device) -> None:
+    """Refuse a device this install has no KDA kernels for (CUDA without fla; kda_dispatch says what to do)."""
+    if mc.kda_layer_ids:
+        kda_backend(device)

@@ -13,6 +13,7 @@ from splitserve.engine.cuda_graph import DecodeGraphs
 from splitserve.engine.cuda_graph_plan import DecodePadding
 from splitserve.engine.forward_batch import ForwardBatch, TokenGroup
 from splitserve.engine.host_pack import HostPack, block_tables, long_tensor
+from splitserve.engine.host_staging import to_device
 from splitserve.engine.model.kimi_linear import KimiLinearForCausalLM, LayerCaches
 from splitserve.engine.parallel.group import SINGLE, TensorParallel
 from splitserve.engine.request import Request
@@ -95,35 +96,32 @@ class ModelRunner:
             hidden = self.model(batch, self.caches)
         if not sampling:
             return StepResult({}, {})
+        # the other samples of a request draw their first token from its row (parallel_sampling.py)
+        drawing = [(i, s.request) for i, s in enumerate(sampling)]
+        drawing += [
+            (i, r) for i, s in enumerate(sampling) for r in s.request.samples_to_fork if not r.finished
+        ]
         if self.tp.size > 1:
-            return self._sample_on_first_rank(sampling, hidden)
-        rows = _sampling_rows(sampling)
+            return self._sample_on_first_rank(drawing, len(sampling), hidden)
+        rows = _sampling_rows(drawing)
         self.sampler.prepare(rows)  # seeded rows' host-drawn noise, while the forward runs on the device
-        logits = self.model.compute_logits(hidden)
-        out = self.sampler(logits, rows)
-        return self._result(sampling, out)
+        logits = _drawn_logits(self.model.compute_logits(hidden), drawing, len(sampling))
+        return _result(drawing, self.sampler(logits, rows))
 
-    def _sample_on_first_rank(self, sampling: list[ScheduledRequest], hidden: torch.Tensor) -> StepResult:
+    def _sample_on_first_rank(
+        self, drawing: list[tuple[int, Request]], num_sampling: int, hidden: torch.Tensor
+    ) -> StepResult:
         """Tensor parallel: each rank's slice of the vocabulary's logits is gathered on rank 0, which
-        samples; every rank gets the tokens (its scheduler moves on with them), rank 0 the logprobs."""
+        samples; every rank gets the tokens (its scheduler moves on and its samples fork with them),
+        rank 0 the logprobs."""
         logits = self.tp.gather_last_dim(self.model.compute_logits(hidden))
         out = None
         if logits is not None:
-            rows = _sampling_rows(sampling)
+            rows = _sampling_rows(drawing)
             self.sampler.prepare(rows)
-            out = self.sampler(logits, rows)
-        token_ids = self.tp.broadcast_ids(out.token_ids if out else None, len(sampling), self.device)
-        return self._result(sampling, out or SamplerOutput(token_ids, None))
-
-    @staticmethod
-    def _result(sampling: list[ScheduledRequest], out: SamplerOutput) -> StepResult:
-        ids = {s.request.request_id: t for s, t in zip(sampling, out.token_ids)}
-        lps: dict[str, dict[int, float]] = {}
-        if out.logprobs is not None:
-            for s, lp in zip(sampling, out.logprobs):
-                if lp is not None:
-                    lps[s.request.request_id] = lp
-        return StepResult(ids, lps)
+            out = self.sampler(_drawn_logits(logits, drawing, num_sampling), rows)
+        token_ids = self.tp.broadcast_ids(out.token_ids if out else None, len(drawing), self.device)
+        return _result(drawing, out or SamplerOutput(token_ids, None))
 
     def _exporter(self, exporting: list[ScheduledRequest]) -> Callable[[int], None] | None:
         """After each layer, hand every exporting request its state that this layer made final:
@@ -144,7 +142,8 @@ class ModelRunner:
             # tokens a resumed request (decode failover) had already generated.
             n = req.num_tokens
             end = min(end, n)
-            rows = token_rows(req.block_table, end, self.block_size, start)
+            # on the device once (pinned, no stream sync), not from pageable memory per layer
+            rows = to_device(token_rows(req.block_table, end, self.block_size, start), self.device)
             jobs.append((req, rows, start, end, n, s.samples))
         mla = self.caches.mla_kv
 
@@ -239,11 +238,28 @@ class ModelRunner:
         )
 
 
-def _sampling_rows(sampling: list[ScheduledRequest]) -> list[SamplingRow]:
-    return [
-        SamplingRow(s.request.params, s.request.prompt_token_ids, s.request.output_token_ids)
-        for s in sampling
-    ]
+def _sampling_rows(drawing: list[tuple[int, Request]]) -> list[SamplingRow]:
+    return [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids) for _, r in drawing]
+
+
+def _drawn_logits(
+    logits: torch.Tensor, drawing: list[tuple[int, Request]], num_sampling: int
+) -> torch.Tensor:
+    """One logits row per drawing request (the `num_sampling` scheduled ones first): a prompt's row
+    repeated for its samples that fork."""
+    if len(drawing) == num_sampling:
+        return logits
+    return logits[torch.tensor([i for i, _ in drawing], dtype=torch.long, device=logits.device)]
+
+
+def _result(drawing: list[tuple[int, Request]], out: SamplerOutput) -> StepResult:
+    ids = {r.request_id: t for (_, r), t in zip(drawing, out.token_ids)}
+    lps: dict[str, dict[int, float]] = {}
+    if out.logprobs is not None:
+        for (_, r), lp in zip(drawing, out.logprobs):
+            if lp is not None:
+                lps[r.request_id] = lp
+    return StepResult(ids, lps)
 
 
 @dataclass

@@ -63,6 +63,14 @@ class Request:
     # the given outputs), and set again after a preemption; its first chunk exports them too
     num_reused_tokens: int = 0
     cache_state: Any = None  # engine.prefix_cache's per-request bookkeeping, None without caching
+    # parallel sampling (engine/parallel_sampling.py): which sample of its request this is; on the
+    # sample that computes the prompt, the others, which draw their first token from the same
+    # last-position logits and then fork its state; on a reservation, the slots and blocks held
+    # for the samples it forks into on admission
+    sample_index: int = 0
+    samples_to_fork: list[Request] = field(default_factory=list)
+    fork_slots: list[int] = field(default_factory=list)
+    fork_blocks: list[int] = field(default_factory=list)
     _queue_reported: bool = field(default=False, repr=False)
 
     @property

@@ -85,7 +85,8 @@ class Scheduler:
 
     @property
     def num_seqs(self) -> int:
-        return len(self.running) + len(self.reserved)
+        """Requests running or reserved, with the samples a reservation holds room for."""
+        return len(self.running) + sum(1 + len(r.fork_slots) for r in self.reserved.values())
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -232,6 +233,14 @@ class Scheduler:
         if request.state_slot is not None:
             self.slots.free(request.state_slot)
             request.state_slot = None
+        self.release_fork_room(request)
+
+    def release_fork_room(self, request: Request) -> None:
+        """Give back the room a reservation held for samples it did not fork into."""
+        self.blocks.free(request.fork_blocks)
+        for slot in request.fork_slots:
+            self.slots.free(slot)
+        request.fork_blocks, request.fork_slots = [], []
 
     def postprocess(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
         """Advance every scheduled request past its chunk and append its sampled token."""

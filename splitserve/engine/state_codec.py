@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from splitserve.engine.host_staging import PinnedCopy, to_pinned
 from splitserve.engine.state_transfer import LayerState
 from splitserve.state import (
     DEFAULT_CHUNK_BYTES,
@@ -31,7 +32,28 @@ from splitserve.state import (
     StateKind,
     make_chunks,
 )
-from splitserve.state.streams import PutStream
+
+
+class PieceSink(Protocol):
+    """Where `write_state` queues a tensor's bytes: the store client's `PutStream` (a worker owns
+    it; the engine never imports gRPC), or a test's fake. `ready`, when given, is called by the
+    thread that reads `data`, before it does (a device copy into `data` may still be running).
+    `heads`: a tensor-parallel rank's share of a KDA state's heads (None: all of them)."""
+
+    def write_state(
+        self,
+        layer: int,
+        kind: StateKind | str,
+        data: memoryview,
+        *,
+        dtype: str,
+        shape: Sequence[int],
+        token_start: int,
+        token_end: int,
+        num_tokens: int | None = None,
+        heads: HeadRange | None = None,
+        ready: Callable[[], None] | None = None,
+    ) -> None: ...
 
 
 def encode(state: LayerState, key: str, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[Chunk]:
@@ -54,14 +76,39 @@ def encode(state: LayerState, key: str, max_chunk_bytes: int = DEFAULT_CHUNK_BYT
         yield Chunk(meta, chunk.data)
 
 
-def write_host_state(put: PutStream, state: LayerState) -> torch.Tensor:
-    """Queue a CPU `state` on `put` (`PutStream.write_state`: into the store's arena on its node,
-    else as bytes); returns the contiguous tensor the put reads in place, to keep until `finish`."""
+def write_state(put: PieceSink, state: LayerState) -> torch.Tensor | PinnedCopy:
+    """Queue `state` on `put` wherever its tensor lives (`PutStream.write_state`: copied once into
+    the store's arena on its node, else cut into gRPC bytes, on the put's sending thread). A CPU
+    tensor is read in place (`write_host_state`); a device tensor goes through `write_device_state`.
+    Returns what the put reads, to keep until `finish`. Never waits for the device."""
+    if state.tensor.device.type == "cpu":
+        return write_host_state(put, state)
+    return write_device_state(put, state)
+
+
+def write_host_state(put: PieceSink, state: LayerState) -> torch.Tensor:
+    """Queue a CPU `state` on `put`; returns the contiguous tensor the put reads in place."""
     tensor = state.tensor.detach().contiguous()  # no copy for the fresh copies states already are
+    _queue(put, state, tensor)
+    return tensor
+
+
+def write_device_state(put: PieceSink, state: LayerState) -> PinnedCopy:
+    """Queue a device `state` on `put`: one copy into a pinned host buffer on the device's side
+    stream (`host_staging.to_pinned`, behind the caller's stream, which is never synced), which
+    the put's sending thread waits for (`ready`) before copying the buffer on. No pageable copy."""
+    copy = to_pinned(state.tensor.detach())
+    _queue(put, state, copy.tensor, ready=copy.wait)
+    return copy
+
+
+def _queue(
+    put: PieceSink, state: LayerState, tensor: torch.Tensor, ready: Callable[[], None] | None = None
+) -> None:
     data, dtype, shape = host_bytes(tensor)
     num_tokens = state.prompt_len if state.kind is StateKind.MLA_KV else None  # MLA: numbered by token
-    put.write_state(state.layer_id, state.kind, data, **_layout(state, dtype, shape), num_tokens=num_tokens)
-    return tensor
+    layout = _layout(state, dtype, shape)
+    put.write_state(state.layer_id, state.kind, data, **layout, num_tokens=num_tokens, ready=ready)
 
 
 def _layout(state: LayerState, dtype: str, shape: tuple[int, ...]) -> dict[str, Any]:
@@ -156,7 +203,7 @@ def _check_continues(parts: list[Chunk], meta: ChunkMeta) -> None:
         )
 
 
-def _view(data: bytes, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+def _view(data: bytes | memoryview, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
     """`data` as a tensor without a copy (read-only memory: torch warns it would be unsafe to write)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)

@@ -14,15 +14,21 @@ Why writing from another thread is safe while the engine keeps stepping:
   pieces are copied on a side stream of their own, which first waits for the reservation's
   stream position (the slot was zeroed there), and each write is synchronized before it counts,
   so `complete` means the bytes are in device memory before the request can be admitted.
+
+On CUDA nothing crosses to the device from pageable memory (`host_staging`): a piece (a view of
+the store's arena, or gRPC bytes) is copied once into a pinned buffer and goes to the device as
+one DMA on the side stream; the reservation's row indices are pinned once, at the start.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
 import torch
 
+from splitserve.engine.host_staging import stage_pinned
 from splitserve.engine.model.kimi_linear import LayerCaches
 from splitserve.engine.state_transfer import LayerState, cache_for, write_piece
 from splitserve.state import CorruptStateError, StateKind
@@ -57,6 +63,7 @@ class TransferSink:
         if device.type == "cuda":
             self._stream = torch.cuda.Stream(device)
             self._stream.wait_stream(torch.cuda.current_stream(device))  # the slot's zeroing first
+            self._rows = stage_pinned(rows)  # each piece's slice of it goes over as a DMA
 
     @property
     def complete(self) -> bool:
@@ -93,8 +100,9 @@ class TransferSink:
             if self._stream is None:
                 write_piece(self._caches, state, self._rows, self._slot)
             else:
+                staged = dataclasses.replace(state, tensor=stage_pinned(state.tensor))
                 with torch.cuda.stream(self._stream):
-                    write_piece(self._caches, state, self._rows, self._slot)
+                    write_piece(self._caches, staged, self._rows, self._slot)
                 self._stream.synchronize()
             self.num_bytes += state.num_bytes
 

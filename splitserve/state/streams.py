@@ -2,7 +2,9 @@
 
 Both use the store's shared-memory arena when the client shares its node (`LocalArena`): a
 piece written with `PutStream.write_state` is copied once into a region the store allocated and
-committed by reference; a Get hands out zero-copy views of regions, each verified first.
+committed by reference (a device's piece: from the pinned buffer its one device-to-host copy
+filled, waited for on the sending thread); a Get hands out zero-copy views of regions, each
+verified first.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class StatePiece:
     max_chunk_bytes: int
     num_tokens: int | None  # MLA pieces of a layer numbered by token (`number_by_token`)
     heads: HeadRange | None = None  # a tensor-parallel rank's share of a KDA state's heads
+    ready: Callable[[], None] | None = None  # called on the sending thread before `data` is read
 
     def meta(self, key: str) -> ChunkMeta:
         """The piece as one chunk of `key` (checksum still 0). Raises `InvalidChunkError` if an MLA
@@ -198,12 +201,15 @@ class PutStream:
         max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         num_tokens: int | None = None,
         heads: HeadRange | None = None,
+        ready: Callable[[], None] | None = None,
     ) -> None:
         """Queues one tensor's bytes (any C-contiguous buffer, e.g. a CPU tensor's memory) as
         `key`'s state of (layer, kind); returns at once. On the sending thread it is copied once
         into an arena region and committed in chunks of `max_chunk_bytes`, or cut into chunks and
         sent as bytes when the store is not on this node. `data` must not change until `finish`
-        returns (nothing copies it before the sending thread does). An MLA layer written in
+        returns (nothing copies it before the sending thread does). `ready`, if given, is called
+        on the sending thread before `data` is read: `data` may be a pinned buffer a device copy
+        is still filling (`engine.host_staging.PinnedCopy.wait`). An MLA layer written in
         several pieces (one per prefill chunk) passes the prompt's `num_tokens`: its chunks are
         then numbered by token (`number_by_token`), as the engine's state codec numbers them.
         `heads`: the share of a KDA state's heads a tensor-parallel rank writes (`HeadRange`).
@@ -219,6 +225,7 @@ class PutStream:
             max_chunk_bytes,
             num_tokens,
             heads,
+            ready,
         )
         with self._held_lock:
             if self._closed.is_set():
@@ -324,6 +331,8 @@ class PutStream:
             yield seal_message(self.key, self.owner)
 
     def _piece_messages(self, piece: StatePiece) -> Iterator[common_pb2.StateChunk]:
+        if piece.ready is not None:
+            piece.ready()
         source = memoryview(piece.data).cast("B")
         whole = piece.meta(self.key)
         if whole.num_bytes != source.nbytes:

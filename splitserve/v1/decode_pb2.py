@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from splitserve.v1 import common_pb2 as splitserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitserve/v1/decode.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\"\xab\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x12\x1c\n\x14source_store_address\x18\x07 \x01(\t\x12\x11\n\tstate_key\x18\x08 \x01(\tB\r\n\x0b_max_tokens\"\x90\x01\n\x0fReserveResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x15\n\rreject_reason\x18\x02 \x01(\t\x12\x15\n\rstore_address\x18\x03 \x01(\t\x12\x11\n\tstate_key\x18\x04 \x01(\t\x12\x13\n\x0bstate_owner\x18\x05 \x01(\t\x12\x15\n\rexpiry_unix_s\x18\x06 \x01(\x01\"\xec\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x36\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\x05\x12\x34\n\x0e\x66irst_logprobs\x18\x05 \x01(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\x12)\n\x05state\x18\x06 \x01(\x0b\x32\x1a.splitserve.v1.StateHandle\x12\x18\n\x10output_token_ids\x18\x07 \x03(\x05\x12.\n\x0bresume_from\x18\x08 \x01(\x0b\x32\x19.splitserve.v1.ResumeFrom\x12\x1b\n\x13max_uncached_tokens\x18\t \x01(\x05\x12\x15\n\rprefix_hashes\x18\n \x03(\x0c\"6\n\nResumeFrom\x12\x15\n\rstore_address\x18\x01 \x01(\t\x12\x11\n\tstate_key\x18\x02 \x01(\t\"J\n\x0c\x44\x65\x63odeTiming\x12\x13\n\x0b\x65mit_unix_s\x18\x01 \x01(\x01\x12\x14\n\x0cstate_wait_s\x18\x02 \x01(\x01\x12\x0f\n\x07queue_s\x18\x03 \x01(\x01\"\xdb\x02\n\nTokenDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12.\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x1c\n\x14num_generated_tokens\x18\x06 \x01(\x05\x12+\n\x06timing\x18\x07 \x01(\x0b\x32\x1b.splitserve.v1.DecodeTiming\x12.\n\x0bresume_from\x18\x08 \x01(\x0b\x32\x19.splitserve.v1.ResumeFrom\x12\x19\n\x11num_cached_tokens\x18\t \x01(\x05\x42\x10\n\x0e_stop_token_id\"(\n\x12\x41\x62ortDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x13\x41\x62ortDecodeResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x14\n\x12\x44\x65\x63odeStatsRequest\"\xc9\x01\n\x0b\x44\x65\x63odeStats\x12\x18\n\x10num_running_seqs\x18\x01 \x01(\x05\x12\x14\n\x0cnum_reserved\x18\x02 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x03 \x01(\x05\x12\x1a\n\x12num_free_kv_blocks\x18\x04 \x01(\x03\x12\x1b\n\x13num_total_kv_blocks\x18\x05 \x01(\x03\x12\x1c\n\x14num_free_state_slots\x18\x06 \x01(\x05\x12\x1d\n\x15num_total_state_slots\x18\x07 \x01(\x05\x32\xaf\x02\n\x06\x44\x65\x63ode\x12H\n\x07Reserve\x12\x1d.splitserve.v1.ReserveRequest\x1a\x1e.splitserve.v1.ReserveResponse\x12\x43\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x19.splitserve.v1.TokenDelta0\x01\x12N\n\x05\x41\x62ort\x12!.splitserve.v1.AbortDecodeRequest\x1a\".splitserve.v1.AbortDecodeResponse\x12\x46\n\x05Stats\x12!.splitserve.v1.DecodeStatsRequest\x1a\x1a.splitserve.v1.DecodeStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitserve/v1/decode.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\"\xc0\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x12\x1c\n\x14source_store_address\x18\x07 \x01(\t\x12\x11\n\tstate_key\x18\x08 \x01(\t\x12\x13\n\x0bnum_samples\x18\t \x01(\x05\x42\r\n\x0b_max_tokens\"\x90\x01\n\x0fReserveResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x15\n\rreject_reason\x18\x02 \x01(\t\x12\x15\n\rstore_address\x18\x03 \x01(\t\x12\x11\n\tstate_key\x18\x04 \x01(\t\x12\x13\n\x0bstate_owner\x18\x05 \x01(\t\x12\x15\n\rexpiry_unix_s\x18\x06 \x01(\x01\"\x99\x03\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x36\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\x05\x12\x34\n\x0e\x66irst_logprobs\x18\x05 \x01(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\x12)\n\x05state\x18\x06 \x01(\x0b\x32\x1a.splitserve.v1.StateHandle\x12\x18\n\x10output_token_ids\x18\x07 \x03(\x05\x12.\n\x0bresume_from\x18\x08 \x01(\x0b\x32\x19.splitserve.v1.ResumeFrom\x12\x1b\n\x13max_uncached_tokens\x18\t \x01(\x05\x12\x15\n\rprefix_hashes\x18\n \x03(\x0c\x12+\n\x07samples\x18\x0b \x03(\x0b\x32\x1a.splitserve.v1.SampleStart\"6\n\nResumeFrom\x12\x15\n\rstore_address\x18\x01 \x01(\t\x12\x11\n\tstate_key\x18\x02 \x01(\t\"J\n\x0c\x44\x65\x63odeTiming\x12\x13\n\x0b\x65mit_unix_s\x18\x01 \x01(\x01\x12\x14\n\x0cstate_wait_s\x18\x02 \x01(\x01\x12\x0f\n\x07queue_s\x18\x03 \x01(\x01\"\xf1\x02\n\nTokenDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12.\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x1c\n\x14num_generated_tokens\x18\x06 \x01(\x05\x12+\n\x06timing\x18\x07 \x01(\x0b\x32\x1b.splitserve.v1.DecodeTiming\x12.\n\x0bresume_from\x18\x08 \x01(\x0b\x32\x19.splitserve.v1.ResumeFrom\x12\x19\n\x11num_cached_tokens\x18\t \x01(\x05\x12\x14\n\x0csample_index\x18\n \x01(\x05\x42\x10\n\x0e_stop_token_id\"(\n\x12\x41\x62ortDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x13\x41\x62ortDecodeResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x14\n\x12\x44\x65\x63odeStatsRequest\"\xc9\x01\n\x0b\x44\x65\x63odeStats\x12\x18\n\x10num_running_seqs\x18\x01 \x01(\x05\x12\x14\n\x0cnum_reserved\x18\x02 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x03 \x01(\x05\x12\x1a\n\x12num_free_kv_blocks\x18\x04 \x01(\x03\x12\x1b\n\x13num_total_kv_blocks\x18\x05 \x01(\x03\x12\x1c\n\x14num_free_state_slots\x18\x06 \x01(\x05\x12\x1d\n\x15num_total_state_slots\x18\x07 \x01(\x05\x32\xaf\x02\n\x06\x44\x65\x63ode\x12H\n\x07Reserve\x12\x1d.splitserve.v1.ReserveRequest\x1a\x1e.splitserve.v1.ReserveResponse\x12\x43\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x19.splitserve.v1.TokenDelta0\x01\x12N\n\x05\x41\x62ort\x12!.splitserve.v1.AbortDecodeRequest\x1a\".splitserve.v1.AbortDecodeResponse\x12\x46\n\x05Stats\x12!.splitserve.v1.DecodeStatsRequest\x1a\x1a.splitserve.v1.DecodeStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,25 +33,25 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve.v1.decode_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RESERVEREQUEST']._serialized_start=74
-  _globals['_RESERVEREQUEST']._serialized_end=245
-  _globals['_RESERVERESPONSE']._serialized_start=248
-  _globals['_RESERVERESPONSE']._serialized_end=392
-  _globals['_DECODEREQUEST']._serialized_start=395
-  _globals['_DECODEREQUEST']._serialized_end=759
-  _globals['_RESUMEFROM']._serialized_start=761
-  _globals['_RESUMEFROM']._serialized_end=815
-  _globals['_DECODETIMING']._serialized_start=817
-  _globals['_DECODETIMING']._serialized_end=891
-  _globals['_TOKENDELTA']._serialized_start=894
-  _globals['_TOKENDELTA']._serialized_end=1241
-  _globals['_ABORTDECODEREQUEST']._serialized_start=1243
-  _globals['_ABORTDECODEREQUEST']._serialized_end=1283
-  _globals['_ABORTDECODERESPONSE']._serialized_start=1285
-  _globals['_ABORTDECODERESPONSE']._serialized_end=1321
-  _globals['_DECODESTATSREQUEST']._serialized_start=1323
-  _globals['_DECODESTATSREQUEST']._serialized_end=1343
-  _globals['_DECODESTATS']._serialized_start=1346
-  _globals['_DECODESTATS']._serialized_end=1547
-  _globals['_DECODE']._serialized_start=1550
-  _globals['_DECODE']._serialized_end=1853
+  _globals['_RESERVEREQUEST']._serialized_end=266
+  _globals['_RESERVERESPONSE']._serialized_start=269
+  _globals['_RESERVERESPONSE']._serialized_end=413
+  _globals['_DECODEREQUEST']._serialized_start=416
+  _globals['_DECODEREQUEST']._serialized_end=825
+  _globals['_RESUMEFROM']._serialized_start=827
+  _globals['_RESUMEFROM']._serialized_end=881
+  _globals['_DECODETIMING']._serialized_start=883
+  _globals['_DECODETIMING']._serialized_end=957
+  _globals['_TOKENDELTA']._serialized_start=960
+  _globals['_TOKENDELTA']._serialized_end=1329
+  _globals['_ABORTDECODEREQUEST']._serialized_start=1331
+  _globals['_ABORTDECODEREQUEST']._serialized_end=1371
+  _globals['_ABORTDECODERESPONSE']._serialized_start=1373
+  _globals['_ABORTDECODERESPONSE']._serialized_end=1409
+  _globals['_DECODESTATSREQUEST']._serialized_start=1411
+  _globals['_DECODESTATSREQUEST']._serialized_end=1431
+  _globals['_DECODESTATS']._serialized_start=1434
+  _globals['_DECODESTATS']._serialized_end=1635
+  _globals['_DECODE']._serialized_start=1638
+  _globals['_DECODE']._serialized_end=1941
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from splitserve.v1 import common_pb2 as splitserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsplitserve/v1/prefill.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\"\xfd\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x36\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x15\n\rstore_address\x18\x04 \x01(\t\x12\x11\n\tstate_key\x18\x05 \x01(\t\x12\x13\n\x0bstate_owner\x18\x06 \x01(\t\x12\x0f\n\x07lease_s\x18\x07 \x01(\x01\x12\x15\n\rprefix_hashes\x18\n \x03(\x0c\x12\x18\n\x10output_token_ids\x18\x0b \x03(\x05J\x04\x08\x08\x10\t\"\x8d\x01\n\rPrefillTiming\x12\x16\n\x0e\x61rrival_unix_s\x18\x01 \x01(\x01\x12\x0f\n\x07queue_s\x18\x02 \x01(\x01\x12\x11\n\tprefill_s\x18\x03 \x01(\x01\x12\x13\n\x0bstate_put_s\x18\x04 \x01(\x01\x12\x13\n\x0bstate_bytes\x18\x05 \x01(\x03\x12\x16\n\x0estate_stream_s\x18\x06 \x01(\x01\"\xe4\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x34\n\x0e\x66irst_logprobs\x18\x03 \x01(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12)\n\x05state\x18\x06 \x01(\x0b\x32\x1a.splitserve.v1.StateHandle\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\x05\x12,\n\x06timing\x18\t \x01(\x0b\x32\x1c.splitserve.v1.PrefillTimingB\x10\n\x0e_stop_token_id\"\x14\n\x12\x43\x61\x63heReportRequest\"E\n\x0bPrefixEvent\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\"\x95\x02\n\x11PrefixCacheReport\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12*\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x1a.splitserve.v1.PrefixEvent\x12\x1a\n\x12num_queried_tokens\x18\x03 \x01(\x03\x12\x16\n\x0enum_hit_tokens\x18\x04 \x01(\x03\x12\x1b\n\x13num_imported_tokens\x18\x05 \x01(\x03\x12(\n num_lost_to_missing_state_tokens\x18\x06 \x01(\x03\x12\x15\n\rnum_snapshots\x18\x07 \x01(\x03\x12\x16\n\x0esnapshot_bytes\x18\x08 \x01(\x03\x12\x15\n\rnum_evictions\x18\t \x01(\x03\")\n\x13\x41\x62ortPrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x14\x41\x62ortPrefillResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xf9\x01\n\x07Prefill\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12P\n\x05\x41\x62ort\x12\".splitserve.v1.AbortPrefillRequest\x1a#.splitserve.v1.AbortPrefillResponse\x12R\n\x0b\x43\x61\x63heReport\x12!.splitserve.v1.CacheReportRequest\x1a .splitserve.v1.PrefixCacheReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsplitserve/v1/prefill.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\"\xfd\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x36\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x15\n\rstore_address\x18\x04 \x01(\t\x12\x11\n\tstate_key\x18\x05 \x01(\t\x12\x13\n\x0bstate_owner\x18\x06 \x01(\t\x12\x0f\n\x07lease_s\x18\x07 \x01(\x01\x12\x15\n\rprefix_hashes\x18\n \x03(\x0c\x12\x18\n\x10output_token_ids\x18\x0b \x03(\x05J\x04\x08\x08\x10\t\"\x8d\x01\n\rPrefillTiming\x12\x16\n\x0e\x61rrival_unix_s\x18\x01 \x01(\x01\x12\x0f\n\x07queue_s\x18\x02 \x01(\x01\x12\x11\n\tprefill_s\x18\x03 \x01(\x01\x12\x13\n\x0bstate_put_s\x18\x04 \x01(\x01\x12\x13\n\x0bstate_bytes\x18\x05 \x01(\x03\x12\x16\n\x0estate_stream_s\x18\x06 \x01(\x01\"\x91\x03\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x34\n\x0e\x66irst_logprobs\x18\x03 \x01(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12)\n\x05state\x18\x06 \x01(\x0b\x32\x1a.splitserve.v1.StateHandle\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\x05\x12,\n\x06timing\x18\t \x01(\x0b\x32\x1c.splitserve.v1.PrefillTiming\x12+\n\x07samples\x18\n \x03(\x0b\x32\x1a.splitserve.v1.SampleStartB\x10\n\x0e_stop_token_id\"\x14\n\x12\x43\x61\x63heReportRequest\"E\n\x0bPrefixEvent\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\"\x95\x02\n\x11PrefixCacheReport\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12*\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x1a.splitserve.v1.PrefixEvent\x12\x1a\n\x12num_queried_tokens\x18\x03 \x01(\x03\x12\x16\n\x0enum_hit_tokens\x18\x04 \x01(\x03\x12\x1b\n\x13num_imported_tokens\x18\x05 \x01(\x03\x12(\n num_lost_to_missing_state_tokens\x18\x06 \x01(\x03\x12\x15\n\rnum_snapshots\x18\x07 \x01(\x03\x12\x16\n\x0esnapshot_bytes\x18\x08 \x01(\x03\x12\x15\n\rnum_evictions\x18\t \x01(\x03\")\n\x13\x41\x62ortPrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x14\x41\x62ortPrefillResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xf9\x01\n\x07Prefill\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12P\n\x05\x41\x62ort\x12\".splitserve.v1.AbortPrefillRequest\x1a#.splitserve.v1.AbortPrefillResponse\x12R\n\x0b\x43\x61\x63heReport\x12!.splitserve.v1.CacheReportRequest\x1a .splitserve.v1.PrefixCacheReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,17 +37,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLTIMING']._serialized_start=331
   _globals['_PREFILLTIMING']._serialized_end=472
   _globals['_PREFILLRESPONSE']._serialized_start=475
-  _globals['_PREFILLRESPONSE']._serialized_end=831
-  _globals['_CACHEREPORTREQUEST']._serialized_start=833
-  _globals['_CACHEREPORTREQUEST']._serialized_end=853
-  _globals['_PREFIXEVENT']._serialized_start=855
-  _globals['_PREFIXEVENT']._serialized_end=924
-  _globals['_PREFIXCACHEREPORT']._serialized_start=927
-  _globals['_PREFIXCACHEREPORT']._serialized_end=1204
-  _globals['_ABORTPREFILLREQUEST']._serialized_start=1206
-  _globals['_ABORTPREFILLREQUEST']._serialized_end=1247
-  _globals['_ABORTPREFILLRESPONSE']._serialized_start=1249
-  _globals['_ABORTPREFILLRESPONSE']._serialized_end=1286
-  _globals['_PREFILL']._serialized_start=1289
-  _globals['_PREFILL']._serialized_end=1538
+  _globals['_PREFILLRESPONSE']._serialized_end=876
+  _globals['_CACHEREPORTREQUEST']._serialized_start=878
+  _globals['_CACHEREPORTREQUEST']._serialized_end=898
+  _globals['_PREFIXEVENT']._serialized_start=900
+  _globals['_PREFIXEVENT']._serialized_end=969
+  _globals['_PREFIXCACHEREPORT']._serialized_start=972
+  _globals['_PREFIXCACHEREPORT']._serialized_end=1249
+  _globals['_ABORTPREFILLREQUEST']._serialized_start=1251
+  _globals['_ABORTPREFILLREQUEST']._serialized_end=1292
+  _globals['_ABORTPREFILLRESPONSE']._serialized_start=1294
+  _globals['_ABORTPREFILLRESPONSE']._serialized_end=1331
+  _globals['_PREFILL']._serialized_start=1334
+  _globals['_PREFILL']._serialized_end=1583
 # @@protoc_insertion_point(module_scope)

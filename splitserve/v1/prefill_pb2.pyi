@@ -46,7 +46,7 @@ class PrefillTiming(_message.Message):
     def __init__(self, arrival_unix_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., state_put_s: _Optional[float] = ..., state_bytes: _Optional[int] = ..., state_stream_s: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "first_logprobs", "finish_reason", "stop_token_id", "state", "num_prompt_tokens", "num_cached_tokens", "timing")
+    __slots__ = ("request_id", "first_token_id", "first_logprobs", "finish_reason", "stop_token_id", "state", "num_prompt_tokens", "num_cached_tokens", "timing", "samples")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class PrefillResponse(_message.Message):
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     first_logprobs: _common_pb2.TokenLogprobs
@@ -65,7 +66,8 @@ class PrefillResponse(_message.Message):
     num_prompt_tokens: int
     num_cached_tokens: int
     timing: PrefillTiming
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.StateHandle, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., timing: _Optional[_Union[PrefillTiming, _Mapping]] = ...) -> None: ...
+    samples: _containers.RepeatedCompositeFieldContainer[_common_pb2.SampleStart]
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.StateHandle, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., timing: _Optional[_Union[PrefillTiming, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[_common_pb2.SampleStart, _Mapping]]] = ...) -> None: ...
 
 class CacheReportRequest(_message.Message):
     __slots__ = ()

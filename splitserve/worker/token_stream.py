@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import grpc
@@ -26,6 +26,7 @@ def stream_deltas(
     context: grpc.ServicerContext,
     state_wait_s: float = 0.0,
     num_generated: int = 1,
+    samples: Mapping[int, int] | None = None,
 ) -> Iterator[decode_pb2.TokenDelta]:
     """One TokenDelta per engine update until the finishing one; `on_finish` runs just before it.
 
@@ -33,23 +34,33 @@ def stream_deltas(
     an aborted request sends no further update, and a handler left waiting for one would hold
     a server thread for ever. `num_generated`: tokens generated before the stream's first update
     (the prefill's first token, plus those generated elsewhere before a decode failover).
+
+    `samples`, for a request of several samples (n > 1): the sample indexes this stream carries,
+    each with its tokens generated before the stream. Each delta names its sample; the stream
+    ends after the last of them finishes (updates of other samples are not sent).
     """
+    generated = dict(samples) if samples is not None else {0: num_generated}
+    unseen = set(generated)  # samples whose first delta is still to come
     first = True
-    while True:
+    while generated:
         try:
             update = updates.get(timeout=_LIVENESS_CHECK_S)
         except queue.Empty:
             if not context.is_active():
                 return
             continue
-        num_generated += len(update.new_token_ids)
+        index = update.request.sample_index
+        if index not in generated:
+            continue
+        generated[index] += len(update.new_token_ids)
         delta = decode_pb2.TokenDelta(
             request_id=rid,
+            sample_index=index,
             token_ids=update.new_token_ids,
             logprobs=[logprobs_to_proto(lp) for lp in update.new_logprobs],
             finish_reason=FINISH_TO_PROTO[update.finish_reason if update.finished else None],
-            num_generated_tokens=num_generated,
-            num_cached_tokens=update.num_cached_tokens if first else 0,
+            num_generated_tokens=generated[index],
+            num_cached_tokens=update.num_cached_tokens if index in unseen else 0,
             timing=decode_pb2.DecodeTiming(
                 emit_unix_s=time.time(),
                 state_wait_s=state_wait_s if first else 0.0,
@@ -57,10 +68,11 @@ def stream_deltas(
             ),
         )
         first = False
+        unseen.discard(index)
         if update.finished:
             if isinstance(update.stop_reason, int):
                 delta.stop_token_id = update.stop_reason
-            on_finish()
+            del generated[index]
+            if not generated:
+                on_finish()
         yield delta
-        if update.finished:
-            return

@@ -34,8 +34,11 @@ def registry(ray_cluster: None) -> Iterator[Any]:
 
 
 @contextlib.contextmanager
-def two_node_cluster(num_cpus_per_node: int = 2) -> Iterator[Any]:
+def two_node_cluster(
+    num_cpus_per_node: int = 2, node_resources: dict[str, float] | None = None
+) -> Iterator[Any]:
     """Two raylets and a GCS of our own, with this process connected; every process ends after.
+    `node_resources`: custom resources of the second node (the head has none).
 
     A `ray.cluster_utils.Cluster` writes its address to `<RAY_TMPDIR>/ray/ray_current_cluster`,
     where a plain `ray.init()` elsewhere on this machine would find it and join; an own
@@ -57,7 +60,7 @@ def two_node_cluster(num_cpus_per_node: int = 2) -> Iterator[Any]:
             },
         )
         try:
-            cluster.add_node(num_cpus=num_cpus_per_node)
+            cluster.add_node(num_cpus=num_cpus_per_node, resources=node_resources or {})
             cluster.wait_for_nodes()
             ray.init(address=cluster.address, log_to_driver=False)
             yield cluster

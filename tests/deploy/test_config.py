@@ -9,6 +9,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from deploy.actors import gateway_settings_kwargs
+from deploy.launcher import required_resources
+from deploy.members import bundle_of
 from frontend.settings import GatewaySettings
 from splitserve.config import (
     ClusterConfig,
@@ -159,6 +161,33 @@ def test_every_key_is_described_in_the_deploy_readme(section):
         ]
     missing = [key for key in keys if f"`{key}`" not in readme]
     assert not missing, f"deploy/README.md does not describe {missing}"
+
+
+def test_a_pools_custom_resources_go_into_its_bundle(tmp_path):
+    config = load_config(
+        write(tmp_path, "decode: {num_cpus: 2, resources: {decode_host: 1, 'node:10.0.0.2': 0.5}}")
+    )
+    assert config.prefill.resources == {}
+    assert bundle_of(config.decode) == {"CPU": 2.0, "decode_host": 1.0, "node:10.0.0.2": 0.5}
+
+
+def test_a_local_ray_is_sized_for_the_pools_custom_resources_too(tmp_path):
+    config = load_config(write(tmp_path, "decode: {replicas: 2, resources: {decode_host: 1.5}}"))
+    # gateway 0.25 + store 0.25 + prefill 1 + 2 decode x 1 CPUs; the local Ray `up` starts has these
+    assert required_resources(config) == {"CPU": 3.5, "GPU": 0.0, "decode_host": 3.0}
+
+
+@pytest.mark.parametrize(
+    ("resources", "message"),
+    [
+        ("{CPU: 2}", "decode.resources: 'CPU' is not a custom resource: set num_cpus instead"),
+        ("{GPU: 1}", "decode.resources: 'GPU' is not a custom resource: set num_gpus instead"),
+        ("{decode_host: 0}", "decode.resources: each resource needs a name and an amount above 0"),
+        ("{decode_host: many}", "decode.resources.decode_host: Input should be a valid number"),
+    ],
+)
+def test_bad_custom_resources_are_refused_naming_the_key(tmp_path, resources, message):
+    assert message in error_of(tmp_path, f"decode: {{resources: {resources}}}")
 
 
 def test_tensor_parallel_above_one_is_not_supported_yet(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from cli.main import main
-from deploy.launcher import ClusterError, check_memory_plan
+from deploy.launcher import ClusterError, check_memory_plan, required_resources
 from deploy.local_deployments import RUNTIME_DIR_ENV
 from splitserve.config import load_config, parse_config
 from splitserve.engine.model_config import KimiLinearModelConfig
@@ -40,6 +40,18 @@ def write(tmp_path: Path, text: str) -> str:
     path = tmp_path / "cluster.yaml"
     path.write_text(text, encoding="utf-8")
     return str(path)
+
+
+def test_the_one_gpu_example_shares_one_gpu_and_its_plan_fits(tiny_path, capsys):
+    """deploy/configs/gpu-one.yaml: both pools on CUDA, one GPU in all, and `config plan` prints
+    a plan that fits from the config alone (each worker's share is given: no GPU is needed here)."""
+    path = DEPLOY / "gpu-one.yaml"
+    config = load_config(path)
+    assert {config.engine_config(pool).device for pool in config.pool_names} == {"cuda"}
+    assert required_resources(config)["GPU"] == 1.0
+    assert main(["config", "plan", str(path), "--model-config", str(tiny_path)]) == 0
+    out = capsys.readouterr().out
+    assert "prefill: fits" in out and "decode: fits" in out
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

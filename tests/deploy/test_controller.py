@@ -193,6 +193,17 @@ def test_a_bundle_no_node_can_hold_fails_at_once_naming_the_pool_and_leaves_noth
     assert events(registry, "start") == []
 
 
+def test_a_custom_resource_no_node_has_fails_at_once_naming_the_pool(registry):
+    config = small_config(decode={"resources": {"decode_host": 1}})  # this Ray has no node with it
+    message = (
+        r"pool 'decode': cannot reserve 1 x \{'CPU': 0.5, 'decode_host': 1.0\} \(PACK\): no node has "
+        r"room for one \(the largest have CPU 2, decode_host 0\)"
+    )
+    with pytest.raises(ClusterError, match=message):
+        run_cluster(config, actor_classes=FAKE_CLASSES)
+    assert is_dead_controller() and live_groups() == []
+
+
 def test_pools_that_together_exceed_the_cluster_fail_at_once_naming_the_pool_that_does_not_fit(registry):
     config = small_config(prefill={"replicas": 3})  # 3 x 0.5 + 0.5 + store 0.25 + gateway 0.25 CPUs > 2
     message = (

@@ -7,25 +7,19 @@ the 30 s wait for the exit; nothing may be left running in its session afterward
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import queue
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
 
 import pytest
 
-from deploy.local_deployments import RUNTIME_DIR_ENV
 from tests.deploy.helpers import wait_until
-from tests.deploy.splitserve_process import run_splitserve
+from tests.deploy.splitserve_process import UpProcess, run_splitserve
 
 STOP_TIMEOUT_S = 30
 START_TIMEOUT_S = 600  # the first start may build the tiny model; this machine may be busy
@@ -43,50 +37,6 @@ def alive_in_session(session_id: int) -> list[str]:
         if int(session) == session_id and state not in "ZX":
             alive.append(f"{stat_path.parent.name} {stat[stat.index('(') : stat.rindex(')') + 1]}")
     return alive
-
-
-class UpProcess:
-    """Owns a `splitserve up` child in a new session (so its process group is its own) and its output."""
-
-    def __init__(self, config: Path, runtime_dir: Path, name: str) -> None:
-        env = {**os.environ, RUNTIME_DIR_ENV: str(runtime_dir)}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "cli.main", "up", "--config", str(config), "--name", name],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-            start_new_session=True,
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.stderr: list[str] = []
-        threading.Thread(target=self._read, args=(self.process.stdout, self.lines.put), daemon=True).start()
-        threading.Thread(
-            target=self._read, args=(self.process.stderr, self.stderr.append), daemon=True
-        ).start()
-
-    @staticmethod
-    def _read(stream: IO[str], sink: Callable[[str], object]) -> None:
-        for line in stream:
-            sink(line)
-
-    def wait_for_line(self, prefix: str, timeout_s: float) -> str:
-        while True:
-            try:
-                line = self.lines.get(timeout=timeout_s)
-            except queue.Empty:
-                pytest.fail(
-                    f"`up` printed no line starting {prefix!r} in {timeout_s} s; stderr: {self.stderr}"
-                )
-            if line.startswith(prefix):
-                return line
-            assert "DEGRADED" not in line and "lost" not in line, line
-
-    def kill_group(self) -> None:
-        """SIGKILL whatever is left (test cleanup only)."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
 
 
 @pytest.fixture

@@ -20,6 +20,25 @@ MODEL = "tiny"
 TOKEN_IDS = {"ignore_eos": True, "return_tokens_as_token_ids": True}
 
 
+def cluster_config(model_path: Any, mode: str, max_num_seqs: int = 8, **sections: Any) -> Any:
+    """A one-node deployment of the tiny model: one prefill and one decode worker, or (colocated)
+    one worker doing both; the tests' small pools, a memory-only store, and `sections` on top."""
+    from splitserve.config import parse_config
+
+    pools = {"num_cpus": 0.5, "kv_cache_memory_bytes": "32MiB", "max_num_seqs": max_num_seqs}
+    data = {
+        "model": {"path": str(model_path), "name": MODEL},
+        "mode": mode,
+        "gateway": {"port": 0},
+        "store": {"memory_bytes": "128MiB", "disk": {"path": None}},
+        "health": {"interval_s": 1, "timeout_s": 30, "start_timeout_s": 300},
+        "prefill": pools,
+        "decode": pools if mode == "disaggregated" else {"replicas": 0},
+        **sections,
+    }
+    return parse_config(data)
+
+
 def openai_client(gateway_url: str | None) -> openai.OpenAI:
     assert gateway_url, "the deployment has no gateway URL"
     return openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="unused", max_retries=0, timeout=120)

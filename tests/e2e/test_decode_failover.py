@@ -282,6 +282,97 @@ def test_failover_is_exact_where_the_prefix_cache_holds_part_of_the_reply(cluste
     assert _failovers(url, "resumed") > resumed_before
 
 
+class SampleStreams:
+    """One streamed completion of n samples, read on its own thread: each choice's tokens and
+    finish as the client saw them, and a condition that wakes whoever waits on their progress."""
+
+    def __init__(self, url: str, prompt: list[int], n: int, seed: int) -> None:
+        self.tokens: dict[int, list[int]] = {i: [] for i in range(n)}
+        self.finish_reasons: dict[int, str] = {}
+        self.error: Any = None
+        self.done = False
+        self._changed = threading.Condition()
+        body = {
+            "model": MODEL,
+            "prompt": prompt,
+            "n": n,
+            "seed": seed,
+            "stream": True,
+            "logprobs": 0,
+            "ignore_eos": True,
+            "return_tokens_as_token_ids": True,
+            "max_tokens": NUM_TOKENS,
+            **SEEDED,
+        }
+        self._thread = threading.Thread(target=self._run, args=(url, body), daemon=True)
+        self._thread.start()
+
+    def _run(self, url: str, body: dict[str, Any]) -> None:
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as response:
+                if response.status_code != 200:
+                    self.error = {"status": response.status_code, "body": response.read().decode()}
+                    return
+                for line in response.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        with self._changed:
+                            self._take(json.loads(line[6:]))
+                            self._changed.notify_all()
+        finally:
+            with self._changed:
+                self.done = True
+                self._changed.notify_all()
+
+    def _take(self, event: dict[str, Any]) -> None:
+        if "error" in event:
+            self.error = event["error"]
+            return
+        for choice in event["choices"]:
+            index = choice["index"]
+            assert index not in self.finish_reasons, f"choice {index} streamed after it finished"
+            if choice.get("logprobs"):
+                self.tokens[index] += [token_id(t) for t in choice["logprobs"]["tokens"]]
+            if choice.get("finish_reason"):
+                self.finish_reasons[index] = choice["finish_reason"]
+
+    def wait_until_each_has(self, num_tokens: int, timeout_s: float = 300) -> None:
+        with self._changed:
+            reached = self._changed.wait_for(
+                lambda: self.done or all(len(t) >= num_tokens for t in self.tokens.values()), timeout_s
+            )
+        assert reached and not self.done, f"the samples did not reach {num_tokens} tokens: {self.tokens}"
+
+    def finish(self) -> None:
+        self._thread.join(300)
+        assert self.done
+
+
+@FAILOVER_ON
+def test_every_sample_of_a_request_survives_a_killed_decode_worker_exactly(cluster, prompts, model_path):
+    """n = 3 seeded samples decode on one worker, forked from one prefill; that worker is
+    SIGKILLed mid-stream: each sample resumes on its own (a re-prefill of prompt + its tokens,
+    seeded seed + i), so each equals a separate request with its seed."""
+    n, seed, prompt = 3, 700, prompts[1]
+    llm = LLM(model=str(model_path), max_model_len=4096)
+    alone = [
+        SamplingParams(ignore_eos=True, max_tokens=NUM_TOKENS, seed=seed + i, **SEEDED) for i in range(n)
+    ]
+    expected = [
+        o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=[prompt] * n, sampling_params=alone)
+    ]
+    url = cluster.gateway_url
+    resumed_before = _failovers(url, "resumed", "reprefill")
+    samples = SampleStreams(url, prompt, n, seed)
+    samples.wait_until_each_has(NUM_BEFORE_KILL)
+    killed = _kill_busiest_decode_worker(cluster)
+    samples.finish()
+    assert samples.error is None, samples.error
+    assert [samples.tokens[i] for i in range(n)] == expected
+    assert samples.finish_reasons == dict.fromkeys(range(n), "length")
+    assert _failovers(url, "resumed", "reprefill") - resumed_before == n  # each sample on its own
+    _wait_restored(cluster, killed)
+
+
 @FAILOVER_OFF
 def test_without_failover_the_killed_workers_streams_end_with_an_error_event(cluster, prompts, expected):
     handle = cluster

@@ -64,6 +64,15 @@ def _complete(url: str) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=body, timeout=120)  # a guard against a hang
 
 
+def _complete_samples(url: str) -> list[list[int]]:
+    """A seeded request of 3 samples; each choice's token ids, by index."""
+    body = {**BODY, "n": 3, "seed": 5, "temperature": 0.9, "logprobs": 0, "return_tokens_as_token_ids": True}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+    return [[int(t.removeprefix("token_id:")) for t in c["logprobs"]["tokens"]] for c in choices]
+
+
 def _metric(url: str, name: str, **labels: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=30).text
     wanted = ",".join(f'{k}="{v}"' for k, v in {"model_name": MODEL, **labels}.items())
@@ -103,9 +112,12 @@ def test_a_burst_past_the_decode_pool_waits_its_turn_and_an_impossible_request_g
         f"{url}/v1/completions", json={**BODY, "prompt": [PROMPT] * (DECODE_SLOTS + 1)}, timeout=120
     )
     assert too_many.status_code == 400 and f"holds {DECODE_SLOTS}" in too_many.json()["error"]["message"]
+    # each sample decodes in a slot of its own: more samples than the pool holds never fit either
+    too_many = httpx.post(f"{url}/v1/completions", json={**BODY, "n": DECODE_SLOTS + 1}, timeout=120)
+    assert too_many.status_code == 400 and f"holds {DECODE_SLOTS}" in too_many.json()["error"]["message"]
     stats = worker_stats(cluster, "decode", 0)
     assert stats["num_free_state_slots"] == stats["num_total_state_slots"] and stats["num_reserved"] == 0
-    assert _metric(url, "splitserve_admission_refusals_total", reason="never_fits") == 1
+    assert _metric(url, "splitserve_admission_refusals_total", reason="never_fits") == 2
 
 
 @pytest.fixture
@@ -118,6 +130,7 @@ def test_an_empty_prefill_pool_follows_prefill_fallback(cluster: ClusterHandle, 
     url = cluster.gateway_url
     assert url is not None
     expected = _token_ids(_complete(url))  # through the prefill worker, as usual
+    expected_samples = _complete_samples(url)
     _empty_the_prefill_pool(cluster)
     response = _complete(url)
     if policy == "decode_local":
@@ -125,11 +138,13 @@ def test_an_empty_prefill_pool_follows_prefill_fallback(cluster: ClusterHandle, 
         streamed = httpx.post(f"{url}/v1/completions", json={**BODY, "stream": True}, timeout=120)
         assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
         assert '"error"' not in streamed.text
-        assert _metric(url, "splitserve_prefill_fallbacks_total", policy="decode_local") == 2
+        # n samples: the decode worker draws every first token from its own prefill, same tokens
+        assert _complete_samples(url) == expected_samples
+        assert _metric(url, "splitserve_prefill_fallbacks_total", policy="decode_local") == 3
     else:
         assert response.status_code == 503, response.text
         message = response.json()["error"]["message"]
-        assert "prefill pool has no worker" in message and "prefill.fallback: fail" in message
+        assert "prefill pool has no worker" in message and "prefill.fallback is fail" in message
         assert _metric(url, "splitserve_prefill_fallbacks_total", policy="fail") == 1
     stats = worker_stats(cluster, "decode", 0)
     assert (stats["num_running"], stats["num_waiting"], stats["num_reserved"]) == (0, 0, 0)

@@ -14,9 +14,8 @@ import pytest
 
 from deploy.launcher import run_cluster
 from splitserve import LLM, SamplingParams
-from splitserve.config import parse_config
 from splitserve.tiny_model import make_tiny_model
-from tests.e2e.helpers import MODEL, TOKEN_IDS, openai_client, token_ids
+from tests.e2e.helpers import MODEL, TOKEN_IDS, cluster_config, openai_client, token_ids
 
 PREFIX_UNIT = 32
 GREEDY = {"max_tokens": 8, "temperature": 0.0}
@@ -38,36 +37,31 @@ def turns() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def offline(model_path, turns) -> dict[str, list[list[int]]]:
-    """Each turn's tokens from the offline engine with prefix caching off, greedy and seeded."""
+def repeated() -> dict[str, list[int]]:
+    """One prompt per sampling mode (270 tokens, ending inside a prefix unit), sent twice."""
+    rngs = {"greedy": random.Random(21), "seeded": random.Random(22)}
+    return {name: [rng.randrange(3, 2000) for _ in range(270)] for name, rng in rngs.items()}
+
+
+@pytest.fixture(scope="module")
+def offline(model_path, turns, repeated) -> dict[str, list[list[int]]]:
+    """Each turn's tokens from the offline engine with prefix caching off, greedy and seeded,
+    then the repeated prompt's."""
     llm = LLM(model=str(model_path), max_model_len=4096)
     out = {}
     for name, params in (("greedy", GREEDY), ("seeded", SEEDED)):
         sp = SamplingParams(ignore_eos=True, **params)
-        out[name] = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=turns, sampling_params=sp)]
+        prompts = [*turns, repeated[name]]
+        out[name] = [
+            o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)
+        ]
     return out
-
-
-def _config(model_path, mode: str):
-    pools = {"num_cpus": 0.5, "kv_cache_memory_bytes": "32MiB", "max_num_seqs": 8}
-    data = {
-        "model": {"path": str(model_path), "name": MODEL},
-        "mode": mode,
-        "gateway": {"port": 0},
-        "store": {"memory_bytes": "128MiB", "disk": {"path": None}},
-        "cache": {"prefix_unit": PREFIX_UNIT},
-        "health": {"interval_s": 1, "timeout_s": 30, "start_timeout_s": 300},
-    }
-    if mode == "disaggregated":
-        data["prefill"], data["decode"] = pools, pools
-    else:
-        data["prefill"], data["decode"] = pools, {"replicas": 0}
-    return parse_config(data)
 
 
 @pytest.fixture(scope="module", params=["disaggregated", "colocated"])
 def client(request, local_ray, model_path):
-    with run_cluster(_config(model_path, request.param)) as cluster:
+    config = cluster_config(model_path, request.param, cache={"prefix_unit": PREFIX_UNIT})
+    with run_cluster(config) as cluster:
         yield openai_client(cluster.gateway_url)
 
 
@@ -83,6 +77,21 @@ def test_the_next_turn_hits_the_cache_and_equals_caching_off(client, turns, offl
     params = GREEDY if sampling == "greedy" else SEEDED
     first, first_cached = _complete(client, turns[0], params)
     second, second_cached = _complete(client, turns[1], params)
-    assert [first, second] == offline[sampling]
-    assert 0 < second_cached <= len(turns[0]), f"cached {second_cached} of the second turn's prompt"
+    assert [first, second] == offline[sampling][:2]
+    # the first turn's prompt at least (or, once the other sampling ran on this cluster, the
+    # second turn's own last unit before its end); never its last token, which a sample needs
+    assert 0 < second_cached < len(turns[1]), f"cached {second_cached} of the second turn's prompt"
     assert first_cached <= len(turns[0])
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_the_same_prompt_again_hits_the_last_unit_before_its_end(client, repeated, offline, sampling):
+    """A retry of a prompt is served from the snapshot at its last whole unit before its last
+    token (the prompt-end one cannot serve it: a sample needs that token computed)."""
+    params = GREEDY if sampling == "greedy" else SEEDED
+    prompt = repeated[sampling]
+    first, first_cached = _complete(client, prompt, params)
+    again, again_cached = _complete(client, prompt, params)
+    assert first_cached == 0
+    assert again_cached == (len(prompt) - 1) // PREFIX_UNIT * PREFIX_UNIT == 256
+    assert first == again == offline[sampling][2]

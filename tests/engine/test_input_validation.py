@@ -52,12 +52,23 @@ def test_rejected_request_leaves_nothing_behind(tiny_llm):
         ("repetition_penalty", 0.0, "repetition_penalty must be > 0"),
         ("logprobs", 99, "logprobs must be in"),
         ("seed", -1, "seed must be in"),
-        ("n", 2, "n must be 1"),
+        ("n", 0, "n must be in"),
+        ("n", 17, "n must be in"),
+        ("best_of", 17, "best_of must be in"),
+        ("seed", 2**63, "seed must be in"),
     ],
 )
 def test_out_of_range_sampling_values_are_rejected(field, value, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**{field: value})
+
+
+def test_best_of_and_seeds_must_leave_room_for_every_sample():
+    with pytest.raises(ValueError, match="best_of must be in"):
+        SamplingParams(n=3, best_of=2)
+    with pytest.raises(ValueError, match="sample i draws with seed"):
+        SamplingParams(n=3, seed=2**63 - 2)
+    assert SamplingParams(n=3, seed=2**63 - 3).for_sample(2).seed == 2**63 - 1
 
 
 def test_sampling_params_count_must_match_prompts(tiny_llm):

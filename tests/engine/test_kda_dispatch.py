@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from splitserve.engine import llm_engine
+from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.ops import kda_dispatch
 from splitserve.engine.ops.kda import kda_chunked, kda_recurrent_step, l2norm
 from splitserve.engine.ops.kda_dispatch import (
@@ -14,6 +16,7 @@ from splitserve.engine.ops.kda_dispatch import (
     kda_decode_into,
     kda_prefill,
 )
+from splitserve.engine_config import EngineConfig
 
 
 def random_inputs(
@@ -69,13 +72,28 @@ def test_decode_into_updates_only_the_rows_slots(monkeypatch):
     assert torch.equal(pool[untouched], before[untouched])
 
 
-def test_cuda_picks_fla_only_when_installed(monkeypatch):
+def test_cuda_picks_fla_when_installed_and_refuses_without_it(monkeypatch):
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     monkeypatch.setattr(kda_dispatch, "fla_available", lambda: True)
     assert kda_backend(torch.device("cuda")) == "fla"
     assert kda_backend(torch.device("cpu")) == "torch"
     monkeypatch.setattr(kda_dispatch, "fla_available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"pip install 'splitserve\[gpu\]'.*SPLITSERVE_KDA_BACKEND=torch"):
+        kda_backend(torch.device("cuda:0"))
+    assert kda_backend(torch.device("cpu")) == "torch"  # the CPU needs no fla
+    monkeypatch.setenv(BACKEND_ENV, "torch")  # told to take the torch path: it does
     assert kda_backend(torch.device("cuda")) == "torch"
+
+
+def test_an_engine_on_cuda_without_fla_refuses_to_load(monkeypatch, tiny_model_path):
+    """At load, before any weight is read (this CPU build could not put them on CUDA anyway)."""
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    monkeypatch.setattr(kda_dispatch, "fla_available", lambda: False)
+    loaded = []
+    monkeypatch.setattr(llm_engine, "load_model", lambda *args: loaded.append(args))
+    with pytest.raises(RuntimeError, match=r"needs flash-linear-attention.*splitserve\[gpu\]"):
+        LLMEngine(EngineConfig(model=str(tiny_model_path), device="cuda", max_model_len=128))
+    assert loaded == []
 
 
 def test_env_overrides_and_says_what_is_wrong(monkeypatch):

@@ -10,9 +10,9 @@ import pytest
 
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.engine.prefix_store.prefill_yield import PrefillYield
 from splitserve.engine_config import EngineConfig
 from splitserve.sampling_params import SamplingParams
+from splitserve.worker.prefix_store.prefill_yield import PrefillYield
 from tests.engine.step_gate import FakeClock, StepGate
 
 PARAMS = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)

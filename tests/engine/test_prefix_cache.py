@@ -55,14 +55,37 @@ def expect(reference: LLMEngine, prompt: list[int], params: SamplingParams) -> l
 @pytest.mark.parametrize("kind", sorted(PARAMS))
 def test_second_sighting_junction_is_kept_and_hit(tiny_model_path, reference, kind):
     params, engine = PARAMS[kind], _cached(tiny_model_path)
-    prompts = [SHARED + [11, 12, 13], SHARED + [21, 22, 23, 24], SHARED + [31, 32]]
+    # tails of 40 tokens: each prompt's own last-unit snapshot (at 160) is past the junction
+    prompts = [SHARED + [11 + i for i in range(40)], SHARED + [61 + i for i in range(40)], SHARED + [31, 32]]
     got = [serve(engine, p, params) for p in prompts]
-    # the first sighting keeps only its prompt end; the second keeps the junction (unit 4 = 128
-    # tokens, the deepest whole unit both share); the third hits it
+    # the first sighting keeps only its own boundaries (160, its prompt end); the second keeps the
+    # junction (unit 4 = 128 tokens, the deepest whole unit both share); the third hits it
     assert [g[1] for g in got] == [0, 0, 128]
     assert [g[0] for g in got] == [expect(reference, p, params) for p in prompts]
     stats = engine.prefix_cache_stats()
     assert stats.num_hit_tokens == 128 and stats.num_lost_to_missing_state_tokens == 128
+
+
+@pytest.mark.parametrize("kind", sorted(PARAMS))
+def test_an_identical_prompt_hits_the_last_unit_before_its_end(tiny_model_path, reference, kind):
+    params, engine = PARAMS[kind], _cached(tiny_model_path)
+    retained: list[RetainedPrefix] = []
+    engine.set_retention_listener(retained.append)
+    others = [7 + (i * 11) % 290 for i in range(128)]
+    for prompt, boundary in ((SHARED + [1, 2, 3], 128), (others, 96)):  # an end inside a unit; on one
+        assert serve(engine, prompt, params)[1] == 0
+        # the prompt-end snapshot cannot serve it (a sample needs its last token computed): the
+        # one at the last unit boundary before that token does
+        out, cached, _ = serve(engine, prompt, params)
+        assert cached == boundary
+        assert out == expect(reference, prompt, params)
+        # kept for this engine only: the listener (the store) hears of prompt and finished ends
+        assert sorted({r.num_tokens for r in retained}) == [len(prompt), len(prompt) + 7]
+        retained.clear()
+    assert engine.prefix_cache_stats().num_lost_to_missing_state_tokens == 0
+    # kept again as a prompt end, a local boundary is handed to the listener then
+    serve(engine, SHARED[:128], params)
+    assert 128 in {r.num_tokens for r in retained}
 
 
 def test_interval_snapshots_are_hit(tiny_model_path, reference):
@@ -201,8 +224,10 @@ def test_no_hit_without_both_kv_and_snapshot(tiny_model_path, reference):
     assert key in cache.snapshots and cache.blocks.lookup(key) is not None
     engine.take_prefix_events()
 
-    # the snapshot goes, the KV stays: no hit, and the KV that matched is counted as lost to state
+    # the snapshots go (the prompt end's, and the one at the last unit before its last token),
+    # the KV stays: no hit, and the KV that matched is counted as lost to state
     cache.snapshots.evict(key)
+    cache.snapshots.evict(cache.naming.key(first, 128))
     assert [e.kind for e in engine.take_prefix_events()] == ["removed"]
     lost = engine.prefix_cache_stats().num_lost_to_missing_state_tokens
     other = prompt + [77]
@@ -251,14 +276,15 @@ def test_events_name_the_deepest_whole_unit(tiny_model_path):
     _, _, request = serve(engine, SHARED + [1, 2, 3], PARAMS["greedy"])
     events = engine.take_prefix_events()
     chain = request.cache_state.chain
-    # the prompt end (153: under unit 4) and the finished end (160 = unit 5)
+    # the last unit before the prompt's last token (128 = unit 4), the prompt end (153: under
+    # unit 4, no event of its own) and the finished end (160 = unit 5)
     assert [(e.kind, e.block_hash, e.num_tokens) for e in events] == [
-        ("stored", chain[3], 153),
+        ("stored", chain[3], 128),
         ("stored", chain[4], 160),
     ]
     assert engine.take_prefix_events() == []
     stats = engine.prefix_cache_stats()
-    assert stats.num_snapshots == 2 and stats.snapshot_bytes == 2 * engine.plan.slot_bytes
+    assert stats.num_snapshots == 3 and stats.snapshot_bytes == 3 * engine.plan.slot_bytes
 
 
 def test_gateway_chain_is_used_as_given(tiny_model_path):

@@ -67,3 +67,12 @@ def test_retention_plans_prompt_end_interval_and_second_sighting_junction():
     assert policy.plan(other, 0, 170, lambda key: False, first_admission=False) == [64, 128, 170]
     plain = RetentionPolicy(unit=32, interval=0, selective=False, sketch=SeenSketch())
     assert plain.plan(chain, 0, 200, lambda key: True) == [200]
+
+
+def test_pre_end_is_the_last_unit_boundary_before_the_last_token():
+    policy = RetentionPolicy(unit=32, interval=0, selective=False, sketch=SeenSketch())
+    assert policy.pre_end(0, 200) == 192
+    assert policy.pre_end(0, 192) == 160  # the end itself is no use: its last token is computed
+    assert policy.pre_end(0, 33) == 32
+    assert policy.pre_end(0, 32) is None  # nothing before the first unit
+    assert policy.pre_end(192, 200) is None  # not past the hit

@@ -40,7 +40,8 @@ class ClosedLoopLoad:
 
     `body(client, n)` builds the n-th request body of a client (its prompt and parameters; the
     load adds `stream`, and token ids in logprobs). `stop()` lets every client finish the request
-    it is on and returns every outcome, in the order they ended."""
+    it is on and returns every outcome, in the order they ended. `uds`: a Unix socket to connect
+    through instead of the url's host and port (tests/uds_relay.py)."""
 
     def __init__(
         self,
@@ -48,8 +49,10 @@ class ClosedLoopLoad:
         body: Callable[[int, int], dict[str, Any]],
         num_clients: int,
         timeout_s: float = 300.0,
+        uds: str | None = None,
     ) -> None:
         self.url = url
+        self._uds = uds
         self._body = body
         self._timeout_s = timeout_s
         self._stopping = threading.Event()
@@ -63,7 +66,8 @@ class ClosedLoopLoad:
             thread.start()
 
     def _run(self, client: int) -> None:
-        with httpx.Client(timeout=self._timeout_s) as http:
+        transport = httpx.HTTPTransport(uds=self._uds) if self._uds else None
+        with httpx.Client(timeout=self._timeout_s, transport=transport) as http:
             n = 0
             while not self._stopping.is_set():
                 outcome = self._one(http, client, n)
@@ -103,7 +107,9 @@ class ClosedLoopLoad:
         if logprobs:
             outcome.token_ids += [int(t.removeprefix("token_id:")) for t in logprobs["tokens"]]
 
-    def wait_for(self, condition: Callable[[list[Outcome]], bool], what: str, timeout_s: float = 180.0) -> None:
+    def wait_for(
+        self, condition: Callable[[list[Outcome]], bool], what: str, timeout_s: float = 180.0
+    ) -> None:
         """Until `condition(outcomes so far)` holds; `timeout_s` guards against a hang."""
         with self._lock:
             assert self._lock.wait_for(lambda: condition(self.outcomes), timeout_s), (

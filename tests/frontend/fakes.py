@@ -41,6 +41,10 @@ def _num_top(params: common_pb2.SamplingParams) -> int | None:
     return params.logprobs if params.HasField("logprobs") else None
 
 
+def _num_samples(params: common_pb2.SamplingParams) -> int:
+    return params.best_of if params.HasField("best_of") else max(1, params.n)
+
+
 @dataclass
 class Script:
     """The deterministic output both fakes follow."""
@@ -92,6 +96,11 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         logprobs = fake_logprobs(first, _num_top(params), position)
         if logprobs is not None:
             response.first_logprobs.CopyFrom(logprobs)
+        for _ in range(_num_samples(params) if _num_samples(params) > 1 else 0):  # each the script's
+            start = common_pb2.SampleStart(token_id=first, finish_reason=finish, logprobs=logprobs)
+            if stop_token_id is not None:
+                start.stop_token_id = stop_token_id
+            response.samples.append(start)
         if finish == common_pb2.FINISH_REASON_UNSPECIFIED:
             response.state.CopyFrom(
                 common_pb2.StateHandle(
@@ -171,33 +180,45 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         context.add_callback(wake.set)
         max_tokens = params.max_tokens if params.HasField("max_tokens") else 10**9
         script = self.script.token_ids
+        # n > 1: every sample the Decode names as running (or, without state, every sample),
+        # each following the script, one delta per sample and position
+        samples = [i for i, start in enumerate(request.samples) if not start.finish_reason]
+        if not request.samples:
+            samples = list(range(_num_samples(params)))
         for position in range(1 + len(request.output_token_ids), max_tokens):
             if self.fail_after is not None and position > self.fail_after:
                 context.abort(grpc.StatusCode.INTERNAL, "fake decode worker crashed")
             if self.hang_after is not None and position > self.hang_after:
                 wake.wait(30)
             if wake.is_set() or not context.is_active():
-                yield decode_pb2.TokenDelta(
-                    request_id=request.request_id, finish_reason=common_pb2.FINISH_REASON_ABORT
-                )
+                for index in samples:
+                    yield decode_pb2.TokenDelta(
+                        request_id=request.request_id,
+                        finish_reason=common_pb2.FINISH_REASON_ABORT,
+                        sample_index=index,
+                    )
                 return
             token = script[position] if position < len(script) else EOS_TOKEN_ID
-            delta = decode_pb2.TokenDelta(
-                request_id=request.request_id, token_ids=[token], num_generated_tokens=position + 1
-            )
-            if position == 1:
-                delta.timing.CopyFrom(decode_pb2.DecodeTiming(state_wait_s=0.004, queue_s=0.005))
-            logprobs = fake_logprobs(token, _num_top(params), position)
-            if logprobs is not None:
-                delta.logprobs.append(logprobs)
-            if token == EOS_TOKEN_ID and not params.ignore_eos:
-                delta.finish_reason = common_pb2.FINISH_REASON_STOP
-                delta.stop_token_id = token
+            for index in samples:
+                delta = decode_pb2.TokenDelta(
+                    request_id=request.request_id,
+                    token_ids=[token],
+                    num_generated_tokens=position + 1,
+                    sample_index=index,
+                )
+                if position == 1:
+                    delta.timing.CopyFrom(decode_pb2.DecodeTiming(state_wait_s=0.004, queue_s=0.005))
+                logprobs = fake_logprobs(token, _num_top(params), position)
+                if logprobs is not None:
+                    delta.logprobs.append(logprobs)
+                if token == EOS_TOKEN_ID and not params.ignore_eos:
+                    delta.finish_reason = common_pb2.FINISH_REASON_STOP
+                    delta.stop_token_id = token
+                elif position == max_tokens - 1:
+                    delta.finish_reason = common_pb2.FINISH_REASON_LENGTH
                 yield delta
+            if token == EOS_TOKEN_ID and not params.ignore_eos:
                 return
-            if position == max_tokens - 1:
-                delta.finish_reason = common_pb2.FINISH_REASON_LENGTH
-            yield delta
         return
 
     def Abort(self, request, context):  # noqa: N802

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -122,6 +123,59 @@ def test_a_prompt_over_the_character_limit_is_a_400_and_never_tokenized(
         assert "characters" not in at_limit.json()["error"]["message"]
 
 
+# A chat template that shows each message's name and `reasoning_content`, and a `persona` argument.
+SHOWING_TEMPLATE = (
+    "{%- if persona -%}<|im_system|>{{ persona }}<|im_end|>{%- endif -%}"
+    "{%- for m in messages -%}<|im_user|>{{ m['role'] }}{% if m.name %} {{ m.name }}{% endif %}"
+    "{% if m.reasoning_content %} {{ m.reasoning_content }}{% endif %}<|im_middle|>{{ m['content'] }}"
+    "<|im_end|>{%- endfor -%}<|im_assistant|>assistant<|im_middle|>"
+)
+
+
+@pytest.fixture(scope="module")
+def showing_gateway(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    folder = tmp_path_factory.mktemp("showing-template")
+    shutil.copy(tiny_model_path / "tokenizer.json", folder)
+    config = json.loads((tiny_model_path / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": SHOWING_TEMPLATE}))
+    script = Script(Tokenizer(folder).encode(SCRIPT_TEXT, add_special_tokens=False))
+    with running_gateway(folder, script, max_prompt_chars=MAX_PROMPT_CHARS) as gw:
+        yield gw
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"messages": [{"role": "user", "content": "hi", "name": "n" * MAX_PROMPT_CHARS}]},
+        {"messages": [{"role": "user", "content": "hi", "reasoning_content": "r" * MAX_PROMPT_CHARS}]},
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "chat_template_kwargs": {"persona": "p" * MAX_PROMPT_CHARS},
+        },
+    ],
+    ids=["name", "extra field", "template argument"],
+)
+def test_the_character_limit_counts_what_the_chat_template_renders(
+    showing_gateway: Gateway, tokenize_calls: list[str], extra: dict
+):
+    with showing_gateway.http() as http:
+        response = http.post("/v1/chat/completions", json={"max_tokens": 1, **extra})
+    error = _error(response, 400)
+    assert error["param"] == "messages" and f"at most {MAX_PROMPT_CHARS}" in error["message"]
+    assert "as the template renders them" in error["message"]
+    assert tokenize_calls == []
+
+
+def test_what_the_chat_template_does_not_render_is_not_counted(
+    showing_gateway: Gateway, tokenize_calls: list[str]
+):
+    message = {"role": "user", "content": "hi", "unshown": "u" * (4 * MAX_PROMPT_CHARS)}
+    with showing_gateway.http() as http:
+        response = http.post("/v1/chat/completions", json={"messages": [message], "max_tokens": 1})
+    assert response.status_code == 200, response.text
+    assert len(tokenize_calls) == 1 and "u" * 10 not in tokenize_calls[0]
+
+
 def test_the_default_character_limit_follows_the_context():
     settings = GatewaySettings(max_model_len=1000)
     assert settings.prompt_chars_limit == CHARS_PER_TOKEN_BOUND * 1000
@@ -136,6 +190,22 @@ def test_the_limits_reach_the_gateway_from_the_cluster_config():
     assert settings.max_request_bytes == 2**20 and settings.max_prompt_chars == 5000
     default = GatewaySettings(**gateway_settings_kwargs(ClusterConfig(), None))
     assert default.max_request_bytes == 8 * 2**20 and default.max_prompt_chars is None
+
+
+def test_the_connection_limits_reach_the_gateway_from_the_cluster_config():
+    keys = {
+        "header_read_timeout_s": 7.5,
+        "body_read_timeout_s": 3,
+        "request_read_timeout_s": 60,
+        "keep_alive_timeout_s": 2,
+        "max_connections_per_client": None,
+    }
+    settings = GatewaySettings(
+        **gateway_settings_kwargs(ClusterConfig.model_validate({"gateway": keys}), None)
+    )
+    assert {key: getattr(settings, key) for key in keys} == keys
+    default = GatewaySettings(**gateway_settings_kwargs(ClusterConfig(), None))
+    assert default.max_connections_per_client == GatewaySettings().max_connections_per_client == 1024
 
 
 def test_unknown_field_names_are_logged_once_escaped_and_bounded(

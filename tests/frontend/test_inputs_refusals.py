@@ -308,3 +308,13 @@ def test_a_whole_float_where_an_integer_is_named_is_that_integer(gateway: Gatewa
     sent = gateway.prefill.requests[-1]
     assert list(sent.prompt_token_ids) == [5, 6] and list(sent.sampling_params.stop_token_ids) == [7]
     assert sent.sampling_params.max_tokens == 2 and sent.sampling_params.seed == 3
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("echo", 0), ("length_penalty", True), ("priority", 0.5), ("modalities", "text")]
+)
+def test_a_refused_field_asks_for_nothing_only_with_the_json_values_the_document_lists(
+    gateway: Gateway, field: str, value: Any
+):
+    """The check compares as JSON Schema's `enum` does: 0 is not false, true is not 1."""
+    _refused(_post(gateway, "/v1/chat/completions", {"messages": [USER_HI], field: value}), field)

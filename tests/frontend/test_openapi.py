@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from frontend.request_counts import MAX_MESSAGES, MAX_PROMPTS
 from splitserve.tokenizer import Tokenizer
 from tests.frontend.conftest import MODEL, SCRIPT_TEXT, Gateway, running_gateway
 from tests.frontend.fakes import Script
@@ -173,3 +174,46 @@ def test_the_schemas_use_json_schema_keywords_only(document: dict[str, Any]):
                 yield from keys(item)
 
     assert not {"ge", "le", "gt", "lt"} & set(keys(document["components"]["schemas"]))
+
+
+def test_the_document_states_the_limits_the_server_enforces(
+    gateway: Gateway, document: dict[str, Any], tiny_model_path: Path
+):
+    schemas = document["components"]["schemas"]
+    completion, chat = (
+        schemas["CompletionRequest"]["properties"],
+        schemas["ChatCompletionRequest"]["properties"],
+    )
+    message = schemas["ChatMessage"]
+    assert "content" in message["required"]
+    assert {"type": "null"} not in message["properties"]["content"]["anyOf"]  # null is refused
+    max_new_tokens = gateway.settings.max_model_len - 1  # a prompt has at least one token
+    for field in (completion["max_tokens"], chat["max_tokens"], chat["max_completion_tokens"]):
+        assert (field["anyOf"][0]["minimum"], field["anyOf"][0]["maximum"]) == (1, max_new_tokens)
+    for field in (completion["logprobs"], chat["top_logprobs"]):
+        assert (field["anyOf"][0]["minimum"], field["anyOf"][0]["maximum"]) == (0, 20)
+    top_p = completion["top_p"]["anyOf"][0]
+    assert (top_p["exclusiveMinimum"], top_p["maximum"]) == (0, 1)
+    assert completion["seed"]["anyOf"][0] == {"type": "integer", "minimum": 0, "exclusiveMaximum": 2**63}
+    vocab_size = Tokenizer(tiny_model_path).vocab_size
+    ids = completion["prompt"]["anyOf"][2]["items"]
+    assert (ids["minimum"], ids["maximum"]) == (0, vocab_size - 1)
+    assert completion["prompt"]["anyOf"][0]["maxLength"] == gateway.settings.prompt_chars_limit
+    assert completion["prompt"]["anyOf"][1]["maxItems"] == MAX_PROMPTS
+    assert chat["messages"]["maxItems"] == MAX_MESSAGES
+    assert schemas["ChatCompletionRequest"]["allOf"] and completion["tool_choice"]["enum"] == [
+        None,
+        False,
+        "",
+        [],
+        {},
+        "none",
+    ]
+
+
+def test_integer_limits_are_written_as_integers(gateway: Gateway):
+    """FastAPI's document model makes every bound a float: 2**63 - 1 came out as 2**63."""
+    with gateway.http() as http:
+        text = http.get("/openapi.json").text
+    assert '"exclusiveMaximum":9223372036854775808' in text.replace(" ", "")
+    assert "2147483647.0" not in text and "x-splitserve-bound" not in text

@@ -77,4 +77,4 @@ def test_sampling_params_message_has_every_field_of_the_dataclass() -> None:
     dataclass_fields = {f.name for f in dataclasses.fields(SamplingParams)}
     assert proto_fields == dataclass_fields
     optional = {f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fields if f.has_presence}
-    assert optional == {"seed", "max_tokens", "logprobs"}
+    assert optional == {"seed", "max_tokens", "logprobs", "best_of"}

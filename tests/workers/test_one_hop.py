@@ -81,3 +81,6 @@ def test_the_decode_reads_the_prefill_node_store(nodes: dict[str, Any], model_pa
     assert after[1].num_releases == before[1] and after[1].num_keys == 0 and after[1].num_hits == 0
     transport = nodes["decode_actor"].servicer.transport
     assert (transport is not None and transport.engine == "mooncake") == (nodes["engine"] == "mooncake")
+    # what the decode worker's stats (and `splitserve status`) say of it
+    expected = "mooncake" if nodes["engine"] == "mooncake" else "grpc"
+    assert nodes["decode_actor"].stats()["cross_node_transport"] == expected

@@ -11,14 +11,14 @@ import torch
 
 from splitserve.engine.model.kimi_linear import LayerCaches
 from splitserve.engine.prefix_cache.retained import RetainedPrefix
-from splitserve.engine.prefix_store.fetcher import PrefixFetcher
-from splitserve.engine.prefix_store.publisher import PrefixPublisher
 from splitserve.engine.state_transfer import LayerState
 from splitserve.prefix_hash import prefix_hash_chain
 from splitserve.state import StateKind
 from splitserve.state.client import StateStoreClient
 from splitserve.state.errors import StateEvictedError
 from splitserve.state.records import NO_PREFIX_MATCH, PrefixMatch
+from splitserve.worker.prefix_store.fetcher import PrefixFetcher
+from splitserve.worker.prefix_store.publisher import PrefixPublisher
 from state_store.config import StoreConfig
 from state_store.memory_tier import MemoryTier
 from state_store.server import StateStoreServer

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import threading
 
-from splitserve.engine.prefix_store.publisher import PrefixPublisher
 from splitserve.prefix_hash import prefix_hash_chain
+from splitserve.worker.prefix_store.publisher import PrefixPublisher
 from tests.workers.test_prefix_publish_fetch import PROMPT, UNIT, WAIT_S, _retained, served  # noqa: F401
 
 

@@ -102,6 +102,7 @@ class _Starter:
 class _Roster:
     def __init__(self, member: Member) -> None:
         self._members = [member]
+        self.stores: dict[str, Member] = {}  # no node stores: none to drop
 
     def members(self) -> list[Member]:
         return list(self._members)

@@ -10,9 +10,14 @@ scheduler ends, a snapshot for transfer) always takes an exact fp32 state.
 
 fla (`pip install 'splitserve[gpu]'`, package `fla-core`) runs only on CUDA, not on the CPU or
 under the Triton interpreter. `SPLITSERVE_KDA_BACKEND=torch|fla` overrides the automatic choice.
+A CUDA device without fla is refused (the engine checks at load) unless that variable says
+`torch`: the torch reference's KDA prefill measured 36.7x slower than fla's on an H200
+(docs/PERFORMANCE.md section 5), too slow to be a silent fallback.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -20,6 +25,7 @@ from splitserve.engine.ops.backend import choose_backend, importable
 from splitserve.engine.ops.kda import kda_chunked, kda_chunked_varlen, kda_recurrent_step, kda_recurrent_step_
 
 BACKEND_ENV = "SPLITSERVE_KDA_BACKEND"
+INSTALL_HINT = "pip install 'splitserve[gpu]'"
 
 
 def fla_available() -> bool:
@@ -28,8 +34,20 @@ def fla_available() -> bool:
 
 
 def kda_backend(device: torch.device) -> str:
-    """`fla` on a CUDA device with fla installed, else `torch`; the env var overrides."""
-    return choose_backend(BACKEND_ENV, "fla", fla_available(), "pip install 'splitserve[gpu]'", device)
+    """`fla` on a CUDA device with fla installed, else `torch`; the env var overrides. Raises
+    RuntimeError for a CUDA device without fla unless the env var asks for `torch`."""
+    backend = choose_backend(BACKEND_ENV, "fla", fla_available(), INSTALL_HINT, device)
+    if (
+        backend == "torch"
+        and device.type == "cuda"
+        and os.environ.get(BACKEND_ENV, "").strip().lower() != "torch"
+    ):
+        raise RuntimeError(
+            f"KDA on {device} needs flash-linear-attention, which is not installed here: "
+            f"{INSTALL_HINT} (fla-core) on this GPU node. To run the torch reference instead "
+            f"(its prefill measured ~37x slower), set {BACKEND_ENV}=torch in the worker's environment."
+        )
+    return backend
 
 
 def kda_prefill(

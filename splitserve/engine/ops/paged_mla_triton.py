@@ -6,7 +6,9 @@ split of the context. It walks its split in `BLOCK_N` key tiles, loading each po
 for all its heads (one shared latent KV head), with an online softmax in fp32. Splits
 (flash-decoding) keep a long-context decode with few rows busy on every SM; a second launch
 merges their partial results by log-sum-exp and writes each real token's rows of the output. Under `TRITON_INTERPRET=1` the same kernel runs on
-CPU tensors, which is how the CPU tests check it against `paged_mla_torch`.
+CPU tensors, which is how the CPU tests check it against `paged_mla_torch`. The pair blocks are the
+grid's first axis (up to 2^31 - 1 programs; the other two stop at 65,535): a prefill chunk of
+L tokens has L * heads / BLOCK_M of them, 65,536 for a 32k chunk of a 32-head model.
 
 The kernel is decorated on first use, per interpreter mode (ops/triton_kernel.py).
 """
@@ -60,8 +62,8 @@ def _paged_mla_kernel(
     BLOCK_P: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    block = tl.program_id(1)
+    block = tl.program_id(0)  # the longest axis first: grid axes 1 and 2 stop at 65,535 programs
+    b = tl.program_id(1)
     split = tl.program_id(2)
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < num_pairs
@@ -136,43 +138,47 @@ def _merge_kernel(
     rank,
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    BLOCK_S: tl.constexpr,
 ):
-    """Each (token, head) pair's splits merged by log-sum-exp, written to its token's row of the output."""
-    b = tl.program_id(0)
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    """Each (token, head) pair's splits merged by log-sum-exp, written to its token's row of the output.
+    The splits are walked twice (their largest log-sum-exp, then the weighted sum): no tile as wide
+    as the number of splits, so one binary serves every context."""
+    b = tl.program_id(1)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < num_pairs
     tok_i = offs_m // num_heads
     head = offs_m % num_heads
     real = tl.load(valid_ptr + b * stride_vb + tok_i, mask=m_ok, other=0) != 0
     tok = tl.load(token_index_ptr + b * stride_tb + tok_i, mask=m_ok, other=0)
-    splits = tl.arange(0, BLOCK_S)
-    lse = tl.load(
-        lse_ptr + splits[None, :] * stride_ls + b * stride_lb + offs_m[:, None],
-        mask=m_ok[:, None] & (splits < num_splits)[None, :],
-        other=float("-inf"),
-    )
-    top = tl.max(lse, axis=1)
-    weights = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top)[:, None])  # an empty split weighs 0
-    total = tl.sum(weights, axis=1)
-    weights = weights / tl.where(total > 0.0, total, 1.0)[:, None]
+    lse_base = lse_ptr + b * stride_lb + offs_m
+    top = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for split in range(0, num_splits):
+        top = tl.maximum(top, tl.load(lse_base + split * stride_ls, mask=m_ok, other=float("-inf")))
+    top = tl.where(top == float("-inf"), 0.0, top)  # an empty split weighs 0
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
     merged = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     for split in range(0, num_splits):
-        weight = tl.sum(tl.where(splits[None, :] == split, weights, 0.0), axis=1)
+        weight = tl.exp(tl.load(lse_base + split * stride_ls, mask=m_ok, other=float("-inf")) - top)
         part = tl.load(
             acc_ptr + split * stride_as + b * stride_ab + offs_m[:, None] * stride_am + offs_r[None, :],
             mask=m_ok[:, None] & r_ok[None, :],
             other=0.0,
         )
+        total += weight
         merged += weight[:, None] * part
+    merged = merged / tl.where(total > 0.0, total, 1.0)[:, None]
     out = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_r[None, :]
     tl.store(out, merged.to(out_ptr.dtype.element_ty), mask=(m_ok & real)[:, None] & r_ok[None, :])
 
 
-_KERNEL = TritonKernel("paged_mla", _paged_mla_kernel)
-_MERGE = TritonKernel("paged_mla_merge", _merge_kernel)
+# the integer arguments that change with a step's rows (lengths, context widths, splits): unspecialised,
+# so one binary of each serves every step (a request never compiles one; engine/warm_up.py)
+_PER_STEP = ("stride_tb", "stride_as", "stride_ab", "stride_ls", "stride_lb", "num_pairs")
+_KERNEL = TritonKernel(
+    "paged_mla", _paged_mla_kernel, (*_PER_STEP, "stride_ib", "stride_pb", "context_len", "split_len")
+)
+_MERGE = TritonKernel("paged_mla_merge", _merge_kernel, (*_PER_STEP, "stride_vb", "stride_oh", "num_splits"))
 
 
 def _num_splits(num_programs: int, context_len: int, block_n: int) -> int:
@@ -209,6 +215,7 @@ def paged_mla_triton_split(
     block_m: int = 16,
     block_n: int = 32,
     num_splits: int | None = None,
+    num_warps: int = 4,
 ) -> None:
     """`paged_mla_triton` with the query's latent [T, H, rank] and rope [T, H, rope] parts apart, each
     read in place through its strides (no concatenated copy), as is `out_latent` [T, H, rank]: two
@@ -230,7 +237,7 @@ def paged_mla_triton_split(
     for t in (q_latent, q_rope, kv_pool, out_latent):
         assert t.stride(-1) == 1, "the query parts, kv_pool and out_latent need a contiguous last dim"
     block_r = max(16, triton.next_power_of_2(rank))
-    _KERNEL[(rows, num_blocks, num_splits)](
+    _KERNEL[(num_blocks, rows, num_splits)](
         q_latent,
         q_rope,
         kv_pool,
@@ -264,10 +271,11 @@ def paged_mla_triton_split(
         BLOCK_R=block_r,
         BLOCK_P=max(16, triton.next_power_of_2(max(rope, 1))),
         IEEE=q_latent.dtype == torch.float32,
+        num_warps=num_warps,
     )
     # no boolean mask (its nonzero would sync with the host, and could not run inside a CUDA graph,
     # engine/cuda_graph.py): the merge writes each pair whose token is real to that token's row
-    _MERGE[(rows, num_blocks)](
+    _MERGE[(num_blocks, rows)](
         acc,
         lse,
         out_latent,
@@ -288,7 +296,6 @@ def paged_mla_triton_split(
         rank,
         BLOCK_M=block_m,
         BLOCK_R=block_r,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
     )
 
 

@@ -1,9 +1,9 @@
 """How the engine's Triton kernels are built, chosen, stood in for, and replaced when one fails to build.
 
-* `TritonKernel(name, fn)`: `kernel[grid](...)` decorates `fn` with `triton.jit` on first use, once
-  per interpreter mode (triton decides between compiling and interpreting when a function is
-  decorated, and `TRITON_INTERPRET=1` runs the same kernel on CPU tensors, which is how the CPU tests
-  check each kernel against its torch reference).
+* `TritonKernel(name, fn, do_not_specialize)`: `kernel[grid](...)` decorates `fn` with `triton.jit` on
+  first use, once per interpreter mode (triton decides between compiling and interpreting when a
+  function is decorated, and `TRITON_INTERPRET=1` runs the same kernel on CPU tensors, which is how
+  the CPU tests check each kernel against its torch reference).
 * `stand_in(factory)`: while it is active every `TritonKernel` launch goes to
   `factory(kernel)[grid](...)` instead: the CPU tests stub the launches (the torch code around them
   still runs, under FakeTensorMode) and experiments/decode_launches.py counts them.
@@ -39,9 +39,13 @@ _failed: set[str] = set()
 class TritonKernel:
     """One Triton kernel, jitted on first launch; `kernel[grid](*args, **meta)` launches it."""
 
-    def __init__(self, name: str, fn: Callable[..., Any]) -> None:
+    def __init__(self, name: str, fn: Callable[..., Any], do_not_specialize: tuple[str, ...] = ()) -> None:
         self.name = name
         self.fn = fn
+        # integer parameters that vary per request (context widths, lengths): triton compiles one binary
+        # for every value class of a specialised one (1, a multiple of 16, other), so an unlisted one
+        # can compile inside a request; listed, one binary serves all
+        self.do_not_specialize = do_not_specialize
         self._jitted: dict[bool, Any] = {}
 
     def __getitem__(self, grid: Any) -> Any:
@@ -55,7 +59,7 @@ class TritonKernel:
 
         interpret = bool(knobs.runtime.interpret)
         if interpret not in self._jitted:
-            self._jitted[interpret] = triton.jit(self.fn)
+            self._jitted[interpret] = triton.jit(self.fn, do_not_specialize=list(self.do_not_specialize))
         return self._jitted[interpret]
 
 

@@ -31,7 +31,6 @@ class CachingBlockAllocator(BlockAllocator):
 
     def __init__(self, num_blocks: int) -> None:
         super().__init__(num_blocks)
-        self._refs = [0] * num_blocks
         self._entries_of: list[set[bytes]] = [set() for _ in range(num_blocks)]
         self.index: OrderedDict[bytes, KVEntry] = OrderedDict()  # oldest first
         self._num_idle_kept = 0  # blocks in some entry that no request holds
@@ -46,10 +45,7 @@ class CachingBlockAllocator(BlockAllocator):
             return None
         while len(self._free) < count:
             self._evict_one()
-        got = [self._free.pop() for _ in range(count)]
-        for b in got:
-            self._refs[b] = 1
-        return got
+        return self._take(count)
 
     def share(self, block_ids: list[int] | tuple[int, ...]) -> None:
         """A request takes kept blocks into its block table (they stay in the index)."""
@@ -110,6 +106,3 @@ class CachingBlockAllocator(BlockAllocator):
                     self.evict(key)
                     return
         raise AssertionError("num_free_blocks promised blocks that no entry can give")
-
-    def ref_count(self, block_id: int) -> int:
-        return self._refs[block_id]

@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from splitserve.engine.cache_pool import copy_kv_rows
 from splitserve.engine.cache_spec import CachePlan
 from splitserve.engine.model.kimi_linear import LayerCaches
 from splitserve.engine.prefix_cache.block_pool import CachingBlockAllocator
@@ -30,6 +31,7 @@ class _Snapshot:
     num_tokens: int
     deps: list[bytes]  # the KV entries it needs (its whole units, then its tail if any)
     event_hash: bytes | None  # the name its `stored`/`removed` events carry
+    published: bool  # handed to the retention listener (a local boundary is not, until kept again)
 
 
 class PrefixCache:
@@ -148,13 +150,18 @@ class PrefixCache:
             num_hit = imported.num_tokens
         input_end = request.num_input_tokens
         input_chain = self.naming.chain(request, input_end)
-        st.boundaries = self.policy.plan(
+        shared = self.policy.plan(
             input_chain,
             num_hit,
             input_end,
             lambda key: key in self.blocks.index,
             first_admission=not st.admitted,
         )
+        # the same input again hits here; a local snapshot only: publishing it too would double
+        # each prompt's bytes in the store for a prefix the router sends to this engine anyway
+        pre_end = self.policy.pre_end(num_hit, input_end)
+        st.local_boundary = pre_end if pre_end not in shared else None
+        st.boundaries = sorted({*shared, *([] if pre_end is None else [pre_end])})
 
     def confirm(self, request: Request) -> None:
         """The request was admitted with its first chunk's blocks: count its first admission."""
@@ -187,7 +194,7 @@ class PrefixCache:
             self.blocks.share([partial])  # held while allocating, so eviction cannot reuse it
             got = self.blocks.allocate(1)
             if got is not None:
-                self._copy_rows(partial, got[0], hit.num_tokens % bs)
+                copy_kv_rows(self.caches, partial, got[0], hit.num_tokens % bs, bs)
                 request.block_table.append(got[0])
             self.blocks.free([partial])
             if got is None:
@@ -198,11 +205,6 @@ class PrefixCache:
         self.snapshots.load(hit.snapshot_key, request.state_slot)
         request.num_computed_tokens = hit.num_tokens
         return True
-
-    def _copy_rows(self, src: int, dst: int, num_rows: int) -> None:
-        bs = self.block_size
-        for kv in self.caches.mla_kv.values():
-            kv[dst * bs : dst * bs + num_rows].copy_(kv[src * bs : src * bs + num_rows])
 
     def _import(self, request: Request, imported: ImportedPrefix, num_hit: int) -> bool:
         """Scatter an imported prefix into the request's blocks and slot, then keep it like our own.
@@ -243,7 +245,7 @@ class PrefixCache:
             n = request.num_computed_tokens
             if n in st.boundaries:
                 st.boundaries = [b for b in st.boundaries if b > n]
-                self.retain(request, n)
+                self.retain(request, n, local=n == st.local_boundary)
 
     def retain_end(self, request: Request) -> None:
         """A request is finishing: keep the state of everything it computed (prompt + reply)."""
@@ -260,9 +262,10 @@ class PrefixCache:
 
     # ---- retention ---------------------------------------------------------------------------
 
-    def retain(self, request: Request, n: int, notify: bool = True) -> None:
-        """Keep the request's state at `n` computed tokens: its KV (units and tail) and a snapshot;
-        with `notify`, the retention listener gets a copy."""
+    def retain(self, request: Request, n: int, notify: bool = True, local: bool = False) -> None:
+        """Keep the request's state at `n` computed tokens: its KV (units and tail) and a snapshot.
+        The retention listener gets a copy once: now, unless `local` (for this engine only, until
+        it is kept again without) or not `notify` (the listener's store has it already)."""
         assert request.state_slot is not None
         self._publish(request, n)
         chain = self.naming.chain(request, n)
@@ -278,16 +281,20 @@ class PrefixCache:
                 lengths = self._tails.setdefault(parent, {})
                 lengths[tail] = lengths.get(tail, 0) + 1
             deps.append(key)
-        if key in self._snaps:
+        snap = self._snaps.get(key)
+        if snap is not None:
             self.snapshots.save(key, request.state_slot)  # only touched
-            return
-        if any(d not in self.blocks.index for d in deps) or not self.snapshots.save(key, request.state_slot):
-            return
-        self._snaps[key] = _Snapshot(n, deps, chain[whole - 1] if whole else None)
-        for d in deps:
-            self._dependents.setdefault(d, set()).add(key)
-        self._count_event(chain[whole - 1] if whole else None, n, +1)
-        if notify and self.listener is not None:
+        else:
+            if any(d not in self.blocks.index for d in deps):
+                return
+            if not self.snapshots.save(key, request.state_slot):
+                return
+            snap = self._snaps[key] = _Snapshot(n, deps, chain[whole - 1] if whole else None, not notify)
+            for d in deps:
+                self._dependents.setdefault(d, set()).add(key)
+            self._count_event(snap.event_hash, n, +1)
+        if not (local or snap.published) and self.listener is not None:
+            snap.published = True
             self.listener(self._retained(request, chain[:whole], n))
 
     def _retained(self, request: Request, chain: list[bytes], n: int) -> RetainedPrefix:

@@ -13,11 +13,13 @@ class RequestCacheState:
     """What the prefix cache tracks for one request (kept on `Request.cache_state`).
 
     `chain[i]` names tokens 0..(i + 1) * unit of the request's tokens (prompt, then outputs);
-    `boundaries` are the snapshots planned at its admission still ahead of it.
+    `boundaries` are the snapshots planned at its admission still ahead of it; `local_boundary`
+    is the one among them kept for this engine only (not handed to the retention listener).
     """
 
     chain: list[bytes] = field(default_factory=list)
     boundaries: list[int] = field(default_factory=list)
+    local_boundary: int | None = None
     num_published_units: int = 0
     admitted: bool = False  # counted in the stats and recorded in the sketch (first admission)
     # what the last `admit` found, committed to the stats by `confirm` on the first admission:

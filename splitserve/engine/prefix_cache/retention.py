@@ -41,6 +41,8 @@ class RetentionPolicy:
       or indexed KV another request computed): a junction shared by several requests.
 
     The end of a finished request (prompt + reply) is retained too, by the cache, when it ends.
+    So is `pre_end`, the last unit boundary before the input's last token: the deepest point an
+    identical input can hit (a sample needs its last token computed), kept for this engine only.
     """
 
     def __init__(self, unit: int, interval: int, selective: bool, sketch: SeenSketch) -> None:
@@ -71,6 +73,17 @@ class RetentionPolicy:
                     points.add((i + 1) * self.unit)
                     break
         return sorted(p for p in points if num_hit < p <= input_end)
+
+    def pre_end(self, num_hit: int, input_end: int) -> int | None:
+        """The last whole-unit boundary strictly before the input's last token, where the same
+        input sent again (a retry, another sample) hits; None when it is not past `num_hit`.
+
+        One more snapshot per prompt (a slot's size: 25,600 B for the tiny model in fp32, 41.4 MiB
+        at the 48B shape in bf16) and one more prefill step (the chunk is cut there), so it is not
+        dense: the unit boundary, not the token before the end, so it also serves prompts that
+        share all but their last partial unit."""
+        boundary = (input_end - 1) // self.unit * self.unit
+        return boundary if boundary > num_hit else None
 
     def record(self, chain: list[bytes]) -> None:
         """An admitted request's units have been seen (once more)."""

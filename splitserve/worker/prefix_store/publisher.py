@@ -2,7 +2,7 @@
 
 The engine's retention listener (`LLMEngine.set_retention_listener`) hands over a copy of each
 retained prefix's whole state on the engine thread; `offer` only queues it. One sending thread
-writes each under a key of its own with the handoff's piece encoding (`state_codec.encode`),
+writes each under a key of its own with the handoff's piece encoding (`state_codec.write_state`),
 seals it, and registers it in the store's prefix index under its hash chain and tail tokens, so
 any prefill worker that asks the store (`PrefixFetcher`) can stream it in instead of computing
 it. The store then keeps it until it must evict it (`StateStore.register`). On a decode worker
@@ -12,7 +12,6 @@ next turn arrives there right after the finish that retained its history.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import queue
@@ -21,12 +20,14 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from splitserve.engine.engine_loop import EngineLoop
-from splitserve.engine.prefix_cache.retained import RetainedPrefix
-from splitserve.engine.prefix_store.prefill_yield import PrefillYield
-from splitserve.engine.state_codec import write_host_state
 from splitserve.state.client import StateStoreClient
+from splitserve.worker.prefix_store.prefill_yield import PrefillYield
+
+if TYPE_CHECKING:
+    from splitserve.engine.engine_loop import EngineLoop
+    from splitserve.engine.prefix_cache.retained import RetainedPrefix
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +177,10 @@ class PrefixPublisher:
     def _write(self, prefix: RetainedPrefix, key: str) -> int:
         """Stores and seals every piece of `prefix` under `key`; returns its bytes. On this node
         the pieces go into the store's shared-memory arena (one copy, and a fetch on the node
-        reads them in place); else as bytes over gRPC."""
+        reads them in place); else as bytes over gRPC. A device's pieces go through pinned
+        buffers (`state_codec.write_state`), read on the put's sending thread."""
+        from splitserve.engine.state_codec import write_state  # the engine's side: package docstring
+
         num_bytes = sum(state.num_bytes for state in prefix.states)
         # warm_next: the publisher puts after every retained prefix, so each put starts on a call
         # (and gRPC's request-consuming thread) opened when the previous put was acknowledged,
@@ -190,11 +194,10 @@ class PrefixPublisher:
             hold_bytes=HOLD_BYTES,
             warm_next=True,
         )
-        held = []  # write_state reads these in place until finish
+        held = []  # what the put reads, until finish
         try:
             for state in prefix.states:
-                on_host = dataclasses.replace(state, tensor=state.tensor.cpu())  # off the device, here
-                held.append(write_host_state(put, on_host))
+                held.append(write_state(put, state))
             put.finish(WRITE_TIMEOUT_S)
         except BaseException:
             put.cancel()

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from splitserve.engine.engine_loop import EngineLoop
+if TYPE_CHECKING:
+    from splitserve.engine.engine_loop import EngineLoop
 
 # A conversation's next turn usually reaches the engine within this long after the finish that
 # retained its prefix (client, gateway and one gRPC hop); the publish starts no earlier.

@@ -15,15 +15,17 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from splitserve.engine.model.kimi_linear import LayerCaches
-from splitserve.engine.prefix_cache.imported import ImportedPrefix
-from splitserve.engine.state_codec import decode
-from splitserve.engine.state_transfer import LayerState, cache_for
 from splitserve.state import Chunk, StateKind, checksum
 from splitserve.state.client import StateStoreClient
 from splitserve.state.errors import CorruptStateError, StateStoreError
 from splitserve.state.records import NO_PREFIX_MATCH, PrefixMatch
+
+if TYPE_CHECKING:
+    from splitserve.engine.model.kimi_linear import LayerCaches
+    from splitserve.engine.prefix_cache.imported import ImportedPrefix
+    from splitserve.engine.state_transfer import LayerState
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +120,7 @@ class PrefixFetcher:
         best, best_store = found.match, found.store
         started = time.monotonic()
         try:
-            states = self._read(best_store, best)
+            imported = self._read(best_store, best, hash_chain)
         except Exception as exc:  # noqa: BLE001 - whatever went wrong, the prompt is computed instead
             self._count(num_failures=1)
             logger.warning(
@@ -133,14 +135,20 @@ class PrefixFetcher:
                     best_store.release(best.key)
             return None
         self._count(num_hits=1, num_hit_tokens=best.num_tokens, fetch_s=time.monotonic() - started)
-        return ImportedPrefix(best.num_tokens, list(hash_chain[: best.num_units]), states)
+        return imported
 
     def count_failure(self, why: str) -> None:
         """A state this fetcher returned could not be used after all (the prompt is computed)."""
         self._count(num_failures=1)
         logger.warning("a fetched prefix state was not used, computing instead: %s", why)
 
-    def _read(self, store: StateStoreClient, found: PrefixMatch) -> list[LayerState]:
+    def _read(
+        self, store: StateStoreClient, found: PrefixMatch, hash_chain: Sequence[bytes]
+    ) -> ImportedPrefix:
+        # the engine's side (torch), imported where a worker's engine runs (see the package docstring)
+        from splitserve.engine.prefix_cache.imported import ImportedPrefix
+        from splitserve.engine.state_codec import decode
+
         assert found.key is not None
         # A chunk read in place from the store's arena is copied, then its checksum is checked on
         # the copy: a retained prefix may be evicted (and its region reused) while it is read.
@@ -151,10 +159,12 @@ class PrefixFetcher:
             copies.append(Chunk(chunk.meta, data))
         states = list(decode(copies))
         self._check_whole(states, found)
-        return states
+        return ImportedPrefix(found.num_tokens, list(hash_chain[: found.num_units]), states)
 
     def _check_whole(self, states: list[LayerState], found: PrefixMatch) -> None:
         """Raises `CorruptStateError` unless `states` are exactly this engine's whole prefix state."""
+        from splitserve.engine.state_transfer import cache_for
+
         expected = {(layer, StateKind.MLA_KV) for layer in self._mla_layers}
         expected |= {
             (layer, kind)
