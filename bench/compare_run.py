@@ -144,7 +144,9 @@ def _run_one(
 def _run_config(workload: Workload, config: ClusterConfig, url: str) -> RunConfig:
     """The shared run config aimed at this deployment: its URL, model name and (unless one was
     given) its gateway's first API key."""
-    keys = config.gateway.api_keys
+    from splitserve.config import gateway_api_keys
+
+    keys = gateway_api_keys(config.gateway)  # the deployment runs here: its variable or file too
     api_key = workload.run_config.api_key or (keys[0] if keys else None)
     return replace(workload.run_config, base_url=url, model=config.model.served_name, api_key=api_key)
 

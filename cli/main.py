@@ -134,13 +134,15 @@ def _add_name_argument(parser: argparse.ArgumentParser, help: str) -> None:
 
 def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="cluster config YAML (default: the embedded default)")
-    _add_address_argument(parser, "$RAY_ADDRESS, else a new local Ray sized to the config")
+    _add_address_argument(parser, "$RAY_ADDRESS, else a new local Ray with room for twice the config")
     _add_name_argument(
         parser,
         "this deployment's name on this machine and its Ray namespace (default: default); "
         "give each deployment sharing the machine or the Ray cluster its own",
     )
-    parser.add_argument("--host", default=None, help="the gateway's address (default: the config's gateway.host)")
+    parser.add_argument(
+        "--host", default=None, help="the gateway's address (default: the config's gateway.host)"
+    )
     parser.add_argument(
         "--port", type=int, default=None, help="the gateway's port (default: the config's gateway.port)"
     )
@@ -174,7 +176,7 @@ def _add_status_arguments(parser: argparse.ArgumentParser) -> None:
 def _run_status(args: argparse.Namespace) -> int:
     import json
 
-    from deploy.launcher import ClusterError, fetch_status
+    from deploy.control import ClusterError, fetch_status
     from deploy.report import status_table
 
     try:
@@ -194,7 +196,7 @@ def _add_resize_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_resize(args: argparse.Namespace) -> int:
-    from deploy.launcher import ClusterError, resize_pool
+    from deploy.control import ClusterError, resize_pool
     from deploy.report import status_line
 
     print(
@@ -210,6 +212,21 @@ def _run_resize(args: argparse.Namespace) -> int:
         return 1
     print(status_line(status))
     return 0
+
+
+def _add_apply_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="the cluster config YAML the deployment should run")
+    _add_name_argument(parser, f"{_WHICH_DEPLOYMENT} (with --address: its namespace there)")
+    _add_address_argument(parser, _OR_THE_RECORDED_ONE)
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print what would change (or why it cannot), change nothing"
+    )
+
+
+def _run_apply(args: argparse.Namespace) -> int:
+    from cli.apply import run_apply
+
+    return run_apply(args)
 
 
 def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -246,6 +263,12 @@ COMMANDS: dict[str, Command] = {
         add_arguments=_add_resize_arguments,
         run=_run_resize,
     ),
+    "apply": Command(
+        help="change a running deployment to a new config: grow, shrink or roll its pools, never "
+        "failing a request (what cannot change live is refused before anything changes)",
+        add_arguments=_add_apply_arguments,
+        run=_run_apply,
+    ),
     "config": Command(
         help="check a cluster config file (config check FILE), plan its memory (config plan FILE) "
         "or print the default (config default)",
@@ -278,10 +301,26 @@ def add_subcommands(
         command.add_arguments(subparser)
 
 
+# What only the `engine` extra installs: a command that needs one of them says so in one line.
+ENGINE_MODULES = frozenset({"torch", "transformers", "safetensors", "triton"})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse `argv` (default: `sys.argv[1:]`), run the chosen subcommand, return its exit status."""
     args = build_parser().parse_args(argv)
-    return COMMANDS[args.command].run(args)
+    try:
+        return COMMANDS[args.command].run(args)
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").partition(".")[0]
+        if missing not in ENGINE_MODULES:
+            raise
+        print(
+            f"splitserve {args.command}: needs the engine extra ({missing} is not installed here): "
+            "pip install 'splitserve[engine]' (with torch for this machine's hardware first: "
+            'deploy/README.md, "Installing")',
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from typing import Any
 
 import ray
 
-from splitserve.config import ClusterConfig
+from splitserve.config import ClusterConfig, gateway_api_keys
 from splitserve.engine.cache_spec import plan_cache
 from splitserve.engine.model_config import KimiLinearModelConfig
 
@@ -53,7 +53,7 @@ def gateway_settings_kwargs(config: ClusterConfig, model_path: str | None) -> di
         "model_path": model_path,
         "host": config.gateway.host,
         "port": config.gateway.port,
-        "api_keys": list(config.gateway.api_keys),
+        "api_keys": list(gateway_api_keys(config.gateway)),  # from the file, a variable or a file
         "max_request_bytes": config.gateway.max_request_bytes,
         "max_prompt_chars": config.gateway.max_prompt_chars,
         "drain_timeout_s": config.health.drain_timeout_s,

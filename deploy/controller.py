@@ -3,13 +3,17 @@
 `start()` reserves a placement group per pool, starts one state store on each node that hosts
 a worker, then the workers (each given its node's store address), then the gateway, and tells
 the gateway the worker addresses. A background loop probes every actor every
-`health.interval_s` and restarts the failed ones. `resize(pool, n)` grows or shrinks a pool;
+`health.interval_s` and restarts the failed ones. `apply(config)` converges the running
+deployment on a new config (pools grown, shrunk or rolled; what cannot change live refused
+before anything changes); `resize(pool, n)` is an apply of one pool's replica count;
 `status()` reports everything; `stop()` ends every actor it started.
 
 The work is split by responsibility: deploy/room.py (can the bundles ever fit),
 deploy/placement.py (placement groups, node IPs), deploy/starter.py (creating, starting and
 ending actors), deploy/health.py (probes and restarts), deploy/publisher.py (the gateway's
-worker lists), deploy/status.py (the status report); this class composes them.
+worker lists), deploy/changes.py (what a new config changes, what it may not),
+deploy/converge.py (the steps of an apply), deploy/status.py (the status report); this class
+composes them.
 
 The actor classes (written in their own packages) are imported only when first needed, so this
 module imports without them; `actor_classes` replaces any of them (tests pass doubles there).
@@ -17,7 +21,7 @@ Keys: "store", "prefill", "decode", "colocated", "gateway" and "gateway_settings
 class the gateway's constructor takes).
 
 Run it as `ray.remote(Controller)` (see `deploy.launcher`); it is an async actor, so `status()`
-answers while a health pass or a restart is in progress.
+answers while a health pass, a restart or an apply is in progress.
 """
 
 from __future__ import annotations
@@ -27,31 +31,46 @@ import contextlib
 import logging
 from typing import Any
 
-from deploy.actors import StartError
+from deploy.actors import StartError, gateway_settings_kwargs
+from deploy.changes import PoolTarget, changed_keys, describe_plan, refusals
+from deploy.converge import ApplyProgress, Converger, check_room_to_converge
 from deploy.health import HealthWatcher
 from deploy.members import Member, Pool, Roster
 from deploy.placement import HEAD_NODE_RESOURCE, NodeIps, release_groups, reserve
 from deploy.publisher import WorkerPublisher
-from deploy.room import PlacementError, check_room, check_start_room, held_resources
+from deploy.room import PlacementError, check_start_room
 from deploy.starter import ActorStarter
 from deploy.status import build_status
-from splitserve.config import ClusterConfig
+from splitserve.config import ClusterConfig, ConfigError, parse_config
 from splitserve.rpc_auth import new_cluster_token
 
 CONTROLLER_NAME = "splitserve-controller"
 NAMESPACE = "splitserve"
-__all__ = ["CONTROLLER_NAME", "HEAD_NODE_RESOURCE", "NAMESPACE", "Controller", "PlacementError", "StartError"]
+__all__ = [
+    "CONTROLLER_NAME",
+    "HEAD_NODE_RESOURCE",
+    "NAMESPACE",
+    "ApplyRefused",
+    "Controller",
+    "PlacementError",
+    "StartError",
+]
 
 
 logger = logging.getLogger("splitserve.deploy")
 
 
-class Controller:
-    """Owns every actor of one deployment: places, starts, watches, restarts, resizes, stops.
+class ApplyRefused(ValueError):
+    """A config the running deployment cannot take: nothing was changed; the message says why."""
 
-    The config is never mutated; the current replica counts live in the pools. Structural
-    changes (start, a health pass with its restarts, resize, stop) hold one asyncio lock, so
-    they never interleave; `status()` takes no lock.
+
+class Controller:
+    """Owns every actor of one deployment: places, starts, watches, restarts, applies, stops.
+
+    A config is never mutated: an apply replaces the controller's config with the new one, and
+    the pools say what they should run (`Pool.spec`, `Pool.replicas`) beside what runs. Structural
+    changes (start, a health pass with its restarts, each step of an apply, stop) hold one
+    asyncio lock, so they never interleave; one apply runs at a time; `status()` takes no lock.
     """
 
     def __init__(
@@ -60,6 +79,7 @@ class Controller:
         actor_classes: dict[str, type] | None = None,
         cluster_token: str | None = None,
     ) -> None:
+        _log_to_stderr()
         self._config = config
         self._roster = Roster()
         self._node_ips = NodeIps()
@@ -68,6 +88,8 @@ class Controller:
         self._starter = ActorStarter(config, self._roster, self._node_ips, actor_classes, self._token)
         self._publisher = WorkerPublisher(config.mode, self._roster, config.health.timeout_s)
         self._health = HealthWatcher(config.health, self._roster, self._starter, self._publisher)
+        self._converger = Converger(self._roster, self._starter, self._publisher)
+        self._applying = False
         self._lock = asyncio.Lock()
         self._health_task: asyncio.Task[None] | None = None
         self._started = False
@@ -81,13 +103,17 @@ class Controller:
             self._started = True
             await self._starter.prepare()
             for name in self._config.pool_names:
-                section = self._config.pool(name)
-                self._roster.pools[name] = Pool(name=name, role=self._config.pool_role(name), section=section)
+                self._roster.pools[name] = Pool(
+                    name=name,
+                    role=self._config.pool_role(name),
+                    spec=self._starter.spec(self._config, name),
+                    replicas=self._config.pool(name).replicas,
+                )
             pools = list(self._roster.pools.values())
             check_start_room(self._config, pools)
             # Every reservation first, so a cluster that is too small fails before anything runs.
             wait_s = self._config.health.start_timeout_s
-            reserved = [await reserve(pool, pool.section.replicas, wait_s) for pool in pools]
+            reserved = [await reserve(pool, pool.replicas, wait_s) for pool in pools if pool.replicas]
             await self._starter.launch([m for members in reserved for m in members])
             self._roster.gateway = Member(kind="gateway", index=0)
             await self._starter.start_gateway(self._roster.gateway)
@@ -96,32 +122,80 @@ class Controller:
         self._health_task = asyncio.get_running_loop().create_task(self._health.watch(self._lock))
         return await self.status()
 
-    async def resize(self, pool: str, replicas: int) -> dict[str, Any]:
-        """Grow or shrink one pool to `replicas` workers (at least 1); return status.
+    async def apply(self, config: ClusterConfig, dry_run: bool = False) -> dict[str, Any]:
+        """Converge the running deployment on `config`; return {"plan": [...], "status": ...}.
 
-        Growing fails at once with `PlacementError` when the new replicas can never fit.
+        Before anything changes it raises `ApplyRefused` naming everything that cannot change
+        live (deploy/changes.py) or that another apply runs, and `PlacementError` when the new
+        replicas can never fit. Then each pool is brought to the new spec and count, one step at
+        a time (deploy/converge.py): added replicas start, removed ones are drained first, and a
+        pool whose spec changed is replaced one replica at a time, the new one serving before the
+        old one is drained, so no request fails. `health` settings take effect at once. With
+        `dry_run` it only returns the plan. `status()["apply"]` shows the steps as they go.
+        """
+        if not self._started or self._stopped:
+            raise ApplyRefused("the deployment is not running")
+        if self._applying:
+            raise ApplyRefused(
+                f"another apply is in progress ({self._converger.progress.step or 'planning'}); wait for it "
+                "to end (`splitserve status` shows its steps)"
+            )
+        found = refusals(self._config, config, self._gateway_settings)
+        if found:
+            raise ApplyRefused("nothing was changed; " + " | ".join(found))
+        targets = [
+            PoolTarget(name, self._starter.spec(config, name), config.pool(name).replicas)
+            for name in config.pool_names
+        ]
+        check_room_to_converge(self._config, self._roster, targets)
+        plan = describe_plan(self._roster.pools, targets)
+        plan += [
+            f"{change} (at once)" for change in changed_keys(self._config.health, config.health, "health")
+        ]
+        if dry_run:
+            return {"plan": plan, "status": await self.status()}
+        self._applying = True
+        try:
+            async with self._lock:
+                self._use_config(config, targets)
+            self._converger.progress = ApplyProgress(in_progress=True, plan=plan)
+            logger.info("apply: %s", "; ".join(plan) or "nothing to change")
+            await self._converger.run(self._lock)
+            logger.info("apply: done")
+        finally:
+            self._applying = False
+        return {"plan": plan, "status": await self.status()}
+
+    async def resize(self, pool: str, replicas: int) -> dict[str, Any]:
+        """Grow or shrink one pool to `replicas` workers; return status.
+
+        An apply of the running config with that pool's count changed (validated as a config:
+        at least 1, or 0 for a prefill pool that falls back to `decode_local`): growing fails at
+        once with `PlacementError` when the new replicas can never fit; shrinking drains.
         """
         pools = self._roster.pools
         if pool not in pools:
             raise ValueError(f"no pool {pool!r}; pools: {', '.join(pools) or 'none (not started)'}")
-        if replicas < 1:
-            raise ValueError(f"a pool needs at least 1 replica (got {replicas}); stop() ends the cluster")
-        async with self._lock:
-            target = pools[pool]
-            current = len(target.members)
-            if replicas > current:
-                check_room(target, replicas - current, held_resources(self._config, self._roster))
-                added = await reserve(target, replicas - current, self._config.health.start_timeout_s)
-                await self._starter.launch(added)
-            elif replicas < current:
-                removed = target.members[replicas:]
-                del target.members[replicas:]
-                await self._publisher.publish()  # the gateway stops routing to them before they stop
-                drain_s = self._config.health.drain_timeout_s
-                await asyncio.gather(*(self._starter.shutdown(m, drain_s) for m in removed))
-                release_groups(target)
-            await self._publisher.publish()
-        return await self.status()
+        data = self._config.model_dump(mode="json")
+        data[pool]["replicas"] = replicas
+        try:
+            config = parse_config(data, source=f"resize {pool} {replicas}")
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        result = await self.apply(config)
+        return result["status"]  # type: ignore[no-any-return]
+
+    def _use_config(self, config: ClusterConfig, targets: list[PoolTarget]) -> None:
+        """From now on `config` is what the deployment should be: the pools' targets, the health settings."""
+        self._config = self._starter.config = config
+        self._health.config = config.health
+        self._publisher.timeout_s = config.health.timeout_s
+        for target in targets:
+            pool = self._roster.pools[target.name]
+            pool.spec, pool.replicas = target.spec, target.replicas
+
+    def _gateway_settings(self, config: ClusterConfig) -> dict[str, Any]:
+        return gateway_settings_kwargs(config, self._starter.model_path)
 
     async def stop(self) -> dict[str, int]:
         """Stop the health loop, then the gateway, the workers and the stores; free placements."""
@@ -156,6 +230,7 @@ class Controller:
             stopped=self._stopped,
             published=self._publisher.published,
             node_ips=self._node_ips,
+            apply=self._converger.progress.to_dict(),
         )
 
     async def cluster_token(self) -> str:
@@ -169,3 +244,15 @@ class Controller:
             if member.index == index:
                 return member.handle
         raise ValueError(f"pool {pool!r} has no worker {index}")
+
+
+def _log_to_stderr() -> None:
+    """The controller's INFO lines (actors started, each step of an apply) and worse go to its
+    stderr, which Ray keeps in the controller's log file and forwards to the driver: `up` prints
+    them. (Without a handler, Python shows only warnings.)"""
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False

@@ -42,7 +42,7 @@ class HealthWatcher:
     def __init__(
         self, config: HealthConfig, roster: Roster, starter: ActorStarter, publisher: WorkerPublisher
     ) -> None:
-        self._config = config
+        self.config = config  # an apply may change it between passes
         self._roster = roster
         self._starter = starter
         self._publisher = publisher
@@ -51,7 +51,7 @@ class HealthWatcher:
     async def watch(self, lock: asyncio.Lock) -> None:
         """Run a pass every `interval_s` under `lock` until `stopped` (or cancelled)."""
         while not self.stopped:
-            await asyncio.sleep(self._config.interval_s)
+            await asyncio.sleep(self.config.interval_s)
             async with lock:
                 if self.stopped:
                     return
@@ -91,7 +91,7 @@ class HealthWatcher:
             return None
         if member.handle is None:
             return member.error or "not running"
-        timeout_s = self._config.timeout_s
+        timeout_s = self.config.timeout_s
         try:
             answer = await call(member.handle.health.remote(), timeout_s)
             if not says_healthy(answer):
@@ -116,10 +116,10 @@ class HealthWatcher:
             return
         member.healthy, member.error = False, reason
         self._starter.kill(member)
-        now_s, window_s = time.monotonic(), self._config.restart_window_s
+        now_s, window_s = time.monotonic(), self.config.restart_window_s
         if window_s > 0:
             member.restart_times_s = [t for t in member.restart_times_s if now_s - t < window_s]
-        if len(member.restart_times_s) >= self._config.max_restarts:
+        if len(member.restart_times_s) >= self.config.max_restarts:
             member.given_up = True
             within = f" within {window_s:g} s" if window_s > 0 else ""
             member.error = f"{reason}; gave up after {len(member.restart_times_s)} restarts{within}"

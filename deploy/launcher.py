@@ -1,7 +1,7 @@
 """Start a deployment from a `ClusterConfig` and get a handle that stops it.
 
 `run_cluster(config, name=...)` connects to Ray (`address`, else `$RAY_ADDRESS`, else a fresh
-local Ray sized to the config, its temp dir this deployment's own), starts the controller as the
+local Ray with room to grow (`local_ray_num_cpus`), its temp dir this deployment's own), starts the controller as the
 named actor `splitserve-controller` in the deployment's namespace (`local_deployments.namespace_for`),
 waits until every actor is up and healthy, and returns a `ClusterHandle`. `handle.stop()` ends
 every actor, the controller, and Ray itself only if `run_cluster` started it; it waits on Ray only
@@ -9,15 +9,14 @@ while Ray's GCS is there to answer, so a Ray killed along with this process (SIG
 process group) costs no timeouts. The controller is not detached: if the driver dies, Ray ends
 it and everything it owns.
 
-`fetch_status` and `resize_pool` act on one deployment from another process: the one recorded
-on this machine (`splitserve up` records it), the one `name`d, or the one in `address`.
+Acting on a running deployment from another process (`status`, `resize`, `apply`) is
+deploy/control.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import getpass
-import logging
 import math
 import os
 import time
@@ -28,23 +27,18 @@ import ray
 
 from deploy.cluster_error import ClusterError
 from deploy.controller import CONTROLLER_NAME, HEAD_NODE_RESOURCE, Controller
-from deploy.local_deployments import (
-    DEFAULT_NAME,
-    find_deployment,
-    name_of,
-    namespace_for,
-    ray_temp_dir,
-    running_deployments,
-)
-from deploy.members import bundle_of
+from deploy.local_deployments import DEFAULT_NAME, name_of, namespace_for, ray_temp_dir
 from deploy.ray_connection import attach, ensure_auth_token, gcs_reachable, limit_shutdown_flush
+from deploy.worker_spec import bundle_of
 from frontend.server import GatewayBindError, bind_listening_socket
-from splitserve.config import ClusterConfig
+from splitserve.config import ClusterConfig, gateway_api_keys
 from splitserve.rpc_auth import cluster_token, new_cluster_token, set_cluster_token
 
-__all__ = ["ClusterError", "ClusterHandle", "fetch_status", "resize_pool", "run_cluster"]
+__all__ = ["ClusterError", "ClusterHandle", "run_cluster"]
 
 STATUS_TIMEOUT_S = 30.0
+# a local Ray holds at least this many times the CPUs and custom resources the config reserves
+LOCAL_RAY_HEADROOM = 2
 _LIVENESS_POLL_S = 0.5  # how often a wait on the controller checks that Ray's GCS is still there
 
 
@@ -78,6 +72,11 @@ class ClusterHandle:
 
     def resize(self, pool: str, replicas: int) -> dict[str, Any]:
         return wait_for(self.controller.resize.remote(pool, replicas), self.address, None)  # type: ignore[no-any-return]
+
+    def apply(self, config: ClusterConfig, dry_run: bool = False) -> dict[str, Any]:
+        """Converge on `config` (`Controller.apply`): {"plan": [...], "status": ...}."""
+        config = deployment_paths(config, name_of(self.namespace))
+        return wait_for(self.controller.apply.remote(config, dry_run), self.address, None)  # type: ignore[no-any-return]
 
     @property
     def gateway_url(self) -> str | None:
@@ -132,6 +131,22 @@ def required_resources(config: ClusterConfig) -> dict[str, float]:
         for resource, amount in bundle_of(pool).items():
             need[resource] = need.get(resource, 0.0) + pool.replicas * amount
     return need
+
+
+def local_ray_num_cpus(config: ClusterConfig) -> int:
+    """The logical CPUs of the local Ray `up` starts: this machine's cores, and at least twice what
+    the config reserves, so `resize` and `apply` can grow every pool (a rolling replacement needs
+    one replica's room beside the pool). Logical CPUs cost Ray nothing; the cores are shared
+    however many there are."""
+    need_cpus = required_resources(config)["CPU"]
+    return max(os.cpu_count() or 1, math.ceil(LOCAL_RAY_HEADROOM * need_cpus), 1)
+
+
+def local_ray_custom_resources(config: ClusterConfig) -> dict[str, float]:
+    """The pools' custom resources (`<pool>.resources`) of the local Ray `up` starts, with the
+    same headroom as its CPUs: a pool pinned by them can grow and roll on one machine too."""
+    need = required_resources(config)
+    return {name: LOCAL_RAY_HEADROOM * amount for name, amount in need.items() if name not in ("CPU", "GPU")}
 
 
 def _kill_local_ray() -> None:
@@ -203,7 +218,7 @@ def run_cluster(
         elif started_ray:
             ray.shutdown()
         if isinstance(exc, Exception) and not isinstance(exc, ClusterError):
-            raise ClusterError(f"the cluster did not start: {_cause(exc)}") from None
+            raise ClusterError(f"the cluster did not start: {error_cause(exc)}") from None
         raise
 
 
@@ -224,45 +239,6 @@ def _user_name() -> str:
         return str(os.getuid())
 
 
-def connect_to_controller(name: str | None = None, address: str | None = None) -> tuple[Any, str]:
-    """Attach to one deployment's controller: at `address` if given, else the one recorded here
-    (`name`, or the only one running); return it and the Ray address. For `status` and `resize`."""
-    if address is None and name is None and not running_deployments():
-        address = os.environ.get("RAY_ADDRESS") or None  # e.g. inside a KubeRay pod: no record, an address
-    if address is not None:
-        namespace = namespace_for(name or DEFAULT_NAME)
-    else:
-        record = find_deployment(name)
-        address, namespace = record.address, record.namespace
-    attach(address, namespace, log_to_driver=False, logging_level=logging.WARNING)
-    try:
-        controller = ray.get_actor(CONTROLLER_NAME, namespace=namespace)
-    except ValueError:
-        others = _other_deployments(namespace)
-        up = "splitserve up" + ("" if name in (None, DEFAULT_NAME) else f" --name {name}")
-        hint = f"it runs {others}: choose one with --name" if others else f"start the deployment with `{up}`"
-        raise ClusterError(
-            f"no splitserve controller in namespace {namespace!r} of the Ray cluster at {address} "
-            f"(no actor {CONTROLLER_NAME!r}); {hint}"
-        ) from None
-    # An attached driver may call the workers and stores directly (a soak reads store Stats).
-    with contextlib.suppress(Exception):  # a controller from before internal auth has no token
-        set_cluster_token(wait_for(controller.cluster_token.remote(), address, 5.0))
-    return controller, address
-
-
-def _other_deployments(namespace: str) -> str:
-    """The other deployments in this Ray cluster (namespaces holding a splitserve controller), as text."""
-    try:
-        actors = ray.util.list_named_actors(all_namespaces=True)
-    except Exception:  # only a hint for the error message
-        return ""
-    found = sorted(
-        a["namespace"] for a in actors if a["name"] == CONTROLLER_NAME and a["namespace"] != namespace
-    )
-    return ", ".join(f"deployment {name_of(ns)!r} (namespace {ns!r})" for ns in found)
-
-
 def _connect(config: ClusterConfig, address: str | None, name: str) -> tuple[bool, str]:
     """Connect to Ray; return whether this call started a local Ray (so stop() ends it) and its address."""
     namespace = namespace_for(name)
@@ -273,6 +249,10 @@ def _connect(config: ClusterConfig, address: str | None, name: str) -> tuple[boo
         attach(target, namespace)
         return False, target
     check_local_model(config)
+    try:  # the local Ray inherits this environment: a variable or file of API keys missing here fails there
+        gateway_api_keys(config.gateway)
+    except ValueError as exc:
+        raise ClusterError(str(exc)) from None
     if config.gateway.port:  # the gateway will run here: say the port is taken before models load
         try:
             bind_listening_socket(config.gateway.host, config.gateway.port).close()
@@ -283,8 +263,8 @@ def _connect(config: ClusterConfig, address: str | None, name: str) -> tuple[boo
     limit_shutdown_flush()
     ensure_auth_token()
     ray.init(
-        num_cpus=max(1, math.ceil(need["CPU"])),
-        resources={name: amount for name, amount in need.items() if name not in ("CPU", "GPU")},
+        num_cpus=local_ray_num_cpus(config),
+        resources=local_ray_custom_resources(config),
         include_dashboard=False,
         namespace=namespace,
         _temp_dir=str(temp_dir),
@@ -383,29 +363,7 @@ def _wait_healthy(handle: ClusterHandle, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
-def _cause(exc: BaseException) -> str:
+def error_cause(exc: BaseException) -> str:
+    """The error inside a Ray task error (or `exc` itself), as one line."""
     cause = getattr(exc, "cause", None) or exc
     return str(cause) if isinstance(cause, ClusterError) else f"{type(cause).__name__}: {cause}"
-
-
-def fetch_status(name: str | None = None, address: str | None = None) -> dict[str, Any]:
-    """One deployment's `status()`, from another process (`splitserve status`)."""
-    try:
-        controller, ray_address = connect_to_controller(name, address)
-        return wait_for(controller.status.remote(), ray_address, STATUS_TIMEOUT_S)  # type: ignore[no-any-return]
-    finally:
-        ray.shutdown()  # disconnects; the cluster itself keeps running
-
-
-def resize_pool(
-    pool: str, replicas: int, name: str | None = None, address: str | None = None
-) -> dict[str, Any]:
-    """Resize a pool of one deployment from another process (`splitserve resize`)."""
-    try:
-        controller, ray_address = connect_to_controller(name, address)
-        try:
-            return wait_for(controller.resize.remote(pool, replicas), ray_address, None)  # type: ignore[no-any-return]
-        except ray.exceptions.RayTaskError as exc:
-            raise ClusterError(_cause(exc)) from None
-    finally:
-        ray.shutdown()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from splitserve.config import PoolConfig
+from deploy.worker_spec import WorkerSpec
 
 
 @dataclass
@@ -14,7 +14,8 @@ class Member:
 
     `handle` is None while the actor is down (between a death and its restart, or for good once
     `given_up`). `group`/`bundle_index` are the placement-group bundle a worker lives in, so a
-    restart lands on the same reservation.
+    restart lands on the same reservation; `spec` is what a worker runs there (a restart runs it
+    again, even when the pool's spec has changed since: its bundle was reserved for it).
     """
 
     kind: str  # "store", "gateway", "prefill", "decode" or "colocated"
@@ -23,6 +24,7 @@ class Member:
     node_id: str | None = None
     group: Any = None  # ray.util.placement_group.PlacementGroup
     bundle_index: int = 0
+    spec: WorkerSpec | None = None  # a worker's engine config and reservation; None for the others
     handle: Any = None  # ray.actor.ActorHandle
     address: str | None = None
     pid: int | None = None  # of the actor's process, once it started
@@ -53,33 +55,48 @@ class Member:
 
 @dataclass
 class Pool:
-    """One worker pool: its config section, its members in index order, its placement groups.
+    """One worker pool: what it should run (`spec`, `replicas`), its members in index order, and
+    its placement groups.
 
-    Ray placement groups cannot grow, so each resize up adds one group for the new replicas
+    Ray placement groups cannot grow, so each step that adds replicas adds one group for them
     (the pool's strategy holds within each group); a group is removed once no member uses it.
+    A member whose spec differs from the pool's is outdated: an apply is replacing it, or one
+    stopped before it could (the next apply goes on).
     """
 
     name: str
     role: str
-    section: PoolConfig
+    spec: WorkerSpec
+    replicas: int  # how many the config asks for; len(members) is how many there are
     members: list[Member] = field(default_factory=list)
     groups: list[Any] = field(default_factory=list)
+    # bundles whose worker was removed while others still use their group: a new worker whose
+    # spec reserves the same takes one over (Ray frees a group only whole)
+    vacated: list[Member] = field(default_factory=list)
     next_index: int = 0
 
     @property
     def healthy_addresses(self) -> list[str]:
         return [m.address for m in self.members if m.healthy and m.address]
 
+    def outdated(self) -> list[Member]:
+        """The members that run another spec than the pool's, oldest first."""
+        return [m for m in self.members if m.spec != self.spec]
+
     def summary(self, node_ips: dict[str, str]) -> dict[str, Any]:
-        rows = [m.row(node_ips) for m in self.members]
+        rows = [{**m.row(node_ips), "outdated": m.spec != self.spec} for m in self.members]
         return {
             "role": self.role,
             "replicas": len(self.members),
-            "placement": self.section.placement,
-            "bundle": bundle_of(self.section),
+            "desired_replicas": self.replicas,
+            "num_outdated": len(self.outdated()),
+            "placement": self.spec.placement,
+            "bundle": self.spec.bundle,
+            "node_labels": self.spec.labels,
             "addresses": self.healthy_addresses,
             "num_healthy": sum(m.healthy for m in self.members),
-            "healthy": bool(self.members) and all(m.healthy for m in self.members),
+            # a pool the config empties (a prefill pool under decode_local) is healthy empty
+            "healthy": bool(self.members or not self.replicas) and all(m.healthy for m in self.members),
             "restarts": sum(m.restarts for m in self.members),
             "load": sum_numeric([m.stats for m in self.members]),
             "workers": rows,
@@ -107,15 +124,6 @@ class Roster:
 
     def workers_on(self, node_id: str | None) -> list[Member]:
         return [m for m in self.workers() if m.node_id == node_id]
-
-
-def bundle_of(section: PoolConfig) -> dict[str, float]:
-    """The Ray resources one replica of the pool reserves: its CPUs, GPUs and custom resources."""
-    bundle = {"CPU": float(section.num_cpus)}
-    if section.num_gpus > 0:
-        bundle["GPU"] = float(section.num_gpus)
-    bundle.update({name: float(amount) for name, amount in section.resources.items()})
-    return bundle
 
 
 def sum_numeric(stats: list[dict[str, Any]]) -> dict[str, float]:

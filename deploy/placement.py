@@ -1,9 +1,11 @@
 """Where the deployment's actors go: placement groups for the pools, and node id -> IP.
 
-Each pool reserves one placement group per start or resize up (Ray groups cannot grow), one
-bundle per replica; `reserve` waits for it and fails with `PlacementError` if the cluster
-cannot give it in time. Before waiting, `check_room` (deploy/room.py) fails at once when the
-bundles can never fit.
+Each pool reserves one placement group per start or step that adds replicas (Ray groups
+cannot grow), one bundle per replica; `reserve` waits for it and fails with `PlacementError` if
+the cluster cannot give it in time. Before waiting, `check_room` (deploy/room.py) fails at once
+when the bundles can never fit. A group is freed only whole, so the bundle of a worker removed
+from a group others still use is kept (`vacate`) and handed to the next worker of the same
+reservation (`place`): a rolling replacement needs room for one extra bundle, not one per replica.
 
 When a node dies, Ray re-places the bundles it held on nodes with room for them (the group is
 RESCHEDULING meanwhile); `placed_node` waits for a worker's bundle to sit on a live node again.
@@ -19,8 +21,8 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 from deploy.calls import call
-from deploy.members import Member, Pool, bundle_of
-from deploy.room import PlacementError, cluster_has
+from deploy.members import Member, Pool
+from deploy.room import PlacementError, cluster_has, on_labels
 
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # every Ray head node has 1 of it
 
@@ -29,25 +31,33 @@ __all__ = [
     "NodeIps",
     "PlacementError",
     "live_node_ids",
+    "place",
     "placed_node",
     "release_groups",
     "reserve",
+    "vacate",
 ]
 _PLACED_POLL_S = 0.2
 
 
 async def reserve(pool: Pool, count: int, wait_s: float) -> list[Member]:
-    """Reserve `count` bundles for `pool` in one new placement group; add and return their members."""
-    bundle = bundle_of(pool.section)
-    group = placement_group([dict(bundle) for _ in range(count)], strategy=pool.section.placement)
+    """Reserve `count` bundles of the pool's spec in one new placement group; add and return
+    their members (not started yet)."""
+    spec = pool.spec
+    bundle, labels = spec.bundle, spec.labels
+    group = placement_group(
+        [dict(bundle) for _ in range(count)],
+        strategy=spec.placement,
+        bundle_label_selector=[dict(labels) for _ in range(count)] if labels else None,
+    )
     try:
         await call(group.ready(), wait_s)
     except asyncio.TimeoutError:
         remove_placement_group(group)
         raise PlacementError(
-            f"pool {pool.name!r}: could not reserve {count} x {bundle} ({pool.section.placement}) "
-            f"within {wait_s:g} s; the Ray cluster has {cluster_has(bundle)}. Lower "
-            f"{pool.name}.replicas, num_cpus or num_gpus, free what else holds them, or add nodes."
+            f"pool {pool.name!r}: could not reserve {count} x {bundle}{on_labels(labels)} "
+            f"({spec.placement}) within {wait_s:g} s; the Ray cluster has {cluster_has(bundle)}. "
+            f"Lower {pool.name}.replicas, num_cpus or num_gpus, free what else holds them, or add nodes."
         ) from None
     pool.groups.append(group)
     nodes = placement_group_table(group)["bundles_to_node_id"]
@@ -59,12 +69,45 @@ async def reserve(pool: Pool, count: int, wait_s: float) -> list[Member]:
             node_id=nodes[i],
             group=group,
             bundle_index=i,
+            spec=spec,
         )
         for i in range(count)
     ]
     pool.next_index += count
     pool.members.extend(members)
     return members
+
+
+async def place(pool: Pool, count: int, wait_s: float) -> list[Member]:
+    """`count` new members of the pool's spec: in vacated bundles that reserve the same first,
+    the rest in a new placement group; added to the pool, not started yet."""
+    reused = [slot for slot in pool.vacated if pool.spec.same_reservation(slot.spec)][:count]
+    members = []
+    for slot in reused:
+        member = Member(
+            kind=pool.role,
+            index=pool.next_index,
+            pool=pool.name,
+            group=slot.group,
+            bundle_index=slot.bundle_index,
+            spec=pool.spec,
+        )
+        # Ray re-places a bundle whose node died: the member starts beside its new node's store
+        member.node_id = await placed_node(member, wait_s)
+        pool.vacated.remove(slot)
+        pool.next_index += 1
+        pool.members.append(member)
+        members.append(member)
+    if count > len(reused):
+        members += await reserve(pool, count - len(reused), wait_s)
+    return members
+
+
+def vacate(pool: Pool, member: Member) -> None:
+    """A worker taken out of the pool: keep its bundle for a successor while its group lives."""
+    if member.group is not None:
+        pool.vacated.append(member)
+    release_groups(pool)
 
 
 def live_node_ids() -> set[str]:
@@ -97,6 +140,7 @@ def release_groups(pool: Pool, *, all_groups: bool = False) -> None:
         pool.groups.remove(group)
         with contextlib.suppress(Exception):
             remove_placement_group(group)
+    pool.vacated = [slot for slot in pool.vacated if id(slot.group) in used]
 
 
 class NodeIps:

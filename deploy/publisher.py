@@ -27,7 +27,7 @@ class WorkerPublisher:
     def __init__(self, mode: str, roster: Roster, timeout_s: float) -> None:
         self._mode = mode
         self._roster = roster
-        self._timeout_s = timeout_s
+        self.timeout_s = timeout_s
         self._told: Any = None  # the gateway handle that heard `_lists`
         self._lists: WorkerLists | None = None
         self._stores: dict[str, str] = {}  # worker address -> its node's store, as last told
@@ -55,7 +55,7 @@ class WorkerPublisher:
         if not force and lists == self.published and stores == self._stores:
             return
         try:
-            await call(gateway.handle.update_workers.remote(*lists, stores=stores), self._timeout_s)
+            await call(gateway.handle.update_workers.remote(*lists, stores=stores), self.timeout_s)
         except Exception as exc:  # the next health pass finds out what is wrong with the gateway
             logger.warning("update_workers failed: %s", cause(exc))
             return

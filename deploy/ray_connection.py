@@ -143,7 +143,7 @@ def _use_token_if_available() -> None:
     """Send this user's token, as Ray itself does only for `address="auto"` (unless RAY_AUTH_MODE says)."""
     if os.environ.get(AUTH_MODE_ENV) is not None or _token_source() is None:
         return
-    from ray._raylet import Config
+    from ray._raylet import Config  # type: ignore[attr-defined]
 
     os.environ[AUTH_MODE_ENV] = "token"
     Config.initialize("")  # Ray caches its config; re-read so this process sees token mode
@@ -155,7 +155,7 @@ def _check_gcs_answers(address: str) -> None:
 
     def probe() -> None:
         try:
-            from ray._raylet import GcsClient
+            from ray._raylet import GcsClient  # type: ignore[attr-defined]
 
             GcsClient(address=address)  # asks the GCS for the cluster id
             outcome.append(None)

@@ -17,8 +17,9 @@ _LOAD_KEYS_FIRST = (
 
 
 def status_line(status: dict[str, Any]) -> str:
-    """E.g. "healthy: prefill 1/1, decode 1/1, stores 1/1, gateway up; 0 restarts"."""
-    parts = [f"{name} {pool['num_healthy']}/{pool['replicas']}" for name, pool in status["pools"].items()]
+    """E.g. "healthy: prefill 1/1, decode 1/1, stores 1/1, gateway up; 0 restarts", and while an
+    apply runs, e.g. "decode 1/1 (wanted 2)" and "; applying: decode: add 1 replica(s)"."""
+    parts = [_pool_part(name, pool) for name, pool in status["pools"].items()]
     stores = status["stores"]
     parts.append(f"stores {sum(s['healthy'] for s in stores)}/{len(stores)}")
     gateway = status["gateway"]
@@ -26,7 +27,22 @@ def status_line(status: dict[str, Any]) -> str:
     restarts = sum(p["restarts"] for p in status["pools"].values())
     restarts += sum(s["restarts"] for s in stores) + (gateway["restarts"] if gateway else 0)
     state = "healthy" if status["healthy"] else "DEGRADED"
-    return f"{state}: {', '.join(parts)}; {restarts} restarts"
+    line = f"{state}: {', '.join(parts)}; {restarts} restarts"
+    apply = status.get("apply") or {}
+    if apply.get("in_progress"):
+        line += f"; applying: {apply.get('step') or 'planning'}"
+    return line
+
+
+def _pool_part(name: str, pool: dict[str, Any]) -> str:
+    """E.g. "decode 2/2", "decode 1/1 (wanted 2)", "prefill 2/2 (1 outdated)"."""
+    part = f"{name} {pool['num_healthy']}/{pool['replicas']}"
+    notes = []
+    if pool.get("desired_replicas", pool["replicas"]) != pool["replicas"]:
+        notes.append(f"wanted {pool['desired_replicas']}")
+    if pool.get("num_outdated"):
+        notes.append(f"{pool['num_outdated']} outdated")
+    return part + (f" ({', '.join(notes)})" if notes else "")
 
 
 def unhealthy_parts(status: dict[str, Any]) -> str:
@@ -65,6 +81,8 @@ def _row(label: str, member: dict[str, Any], address: str | None = None) -> tupl
         health = "no"
     if member["error"] and not member["healthy"]:
         health += f" ({member['error']})"
+    if member.get("outdated"):  # an apply replaces it (or stopped before it could)
+        health += " (outdated)"
     idle_held = member["stats"].get("num_idle_held_slots", 0)
     if idle_held:  # slots nothing holds: they never come back (a leak), whatever health says
         health += f" (holds {idle_held} state slots with nothing running)"

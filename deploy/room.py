@@ -6,7 +6,9 @@ no node has room for one bundle, too few nodes for STRICT_SPREAD, no node for al
 STRICT_PACK, or more of a resource than the cluster has beyond what the rest of this
 deployment takes. Resources that others hold are not counted against a request (they may be
 freed), so a request short only of those still waits; nodes an autoscaler might add are not
-foreseen.
+foreseen. A pool with `node_labels` counts only the nodes that carry them (no such node is an
+error at once), and is not checked against the cluster's totals: what the rest of the deployment
+holds may lie on other nodes, so only the wait can tell.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from collections.abc import Iterable, Mapping
 
 import ray
 
-from deploy.members import Pool, Roster, bundle_of
+from deploy.members import Pool, Roster
+from deploy.worker_spec import WorkerSpec
 from splitserve.config import ClusterConfig
 
 _EPSILON = 1e-9  # fractional CPUs add up inexactly
@@ -26,17 +29,18 @@ class PlacementError(RuntimeError):
     """A pool's bundles cannot be placed: the cluster lacks the resources (at all, or in time)."""
 
 
-def check_room(pool: Pool, count: int, held: Mapping[str, float]) -> None:
-    """Raise `PlacementError` now if `count` more bundles of `pool` can never be placed.
+def check_room(pool: str, spec: WorkerSpec, count: int, held: Mapping[str, float]) -> None:
+    """Raise `PlacementError` now if `count` more bundles of `spec` for `pool` can never be placed.
 
     `held`: what the rest of this deployment takes, by resource name ("CPU", "GPU").
     """
-    bundle = bundle_of(pool.section)
-    shortfall = _shortfall(bundle, count, pool.section.placement, held)
+    bundle, labels = spec.bundle, spec.labels
+    shortfall = _shortfall(bundle, count, spec.placement, held, labels)
     if shortfall:
         raise PlacementError(
-            f"pool {pool.name!r}: cannot reserve {count} x {bundle} ({pool.section.placement}): "
-            f"{shortfall}. Lower {pool.name}.replicas, num_cpus, num_gpus or resources, or add nodes."
+            f"pool {pool!r}: cannot reserve {count} x {bundle}{on_labels(labels)} "
+            f"({spec.placement}): {shortfall}. Lower {pool}.replicas, num_cpus, num_gpus or "
+            "resources, or add nodes."
         )
 
 
@@ -47,9 +51,15 @@ def check_start_room(config: ClusterConfig, pools: Iterable[Pool]) -> None:
     """
     held = {"CPU": config.gateway.num_cpus + config.store.num_cpus}
     for pool in pools:
-        check_room(pool, pool.section.replicas, held)
-        for name, amount in bundle_of(pool.section).items():
-            held[name] = held.get(name, 0.0) + amount * pool.section.replicas
+        if pool.replicas:
+            check_room(pool.name, pool.spec, pool.replicas, held)
+        take(held, pool.spec.bundle, pool.replicas)
+
+
+def take(held: dict[str, float], bundle: Mapping[str, float], count: int) -> None:
+    """Count `count` more `bundle`s in `held` (what the deployment takes, by resource)."""
+    for name, amount in bundle.items():
+        held[name] = held.get(name, 0.0) + amount * count
 
 
 def held_resources(config: ClusterConfig, roster: Roster) -> dict[str, float]:
@@ -60,8 +70,7 @@ def held_resources(config: ClusterConfig, roster: Roster) -> dict[str, float]:
     for pool in roster.pools.values():
         for group in pool.groups:
             for bundle in group.bundle_specs:
-                for name, amount in bundle.items():
-                    held[name] = held.get(name, 0.0) + amount
+                take(held, bundle, 1)
     num_stores = sum(store.handle is not None for store in roster.stores.values())
     cpus = num_stores * config.store.num_cpus
     if roster.gateway is not None and roster.gateway.handle is not None:
@@ -70,9 +79,38 @@ def held_resources(config: ClusterConfig, roster: Roster) -> dict[str, float]:
     return held
 
 
-def _shortfall(bundle: dict[str, float], count: int, strategy: str, held: Mapping[str, float]) -> str | None:
+def on_labels(labels: Mapping[str, str]) -> str:
+    """The words naming a pool's `node_labels` in a message (nothing when it has none)."""
+    return f" on nodes labelled {dict(labels)}" if labels else ""
+
+
+def labels_match(node_labels: Mapping[str, str], selector: Mapping[str, str]) -> bool:
+    """Whether a node with `node_labels` satisfies a Ray label selector: per key a value, "!value",
+    "in(a,b)" or "!in(a,b)"."""
+    for key, want in selector.items():
+        negate = want.startswith("!")
+        want = want.removeprefix("!")
+        if want.startswith("in(") and want.endswith(")"):
+            values = {value.strip() for value in want[3:-1].split(",")}
+        else:
+            values = {want}
+        if (node_labels.get(key) in values) == negate:
+            return False
+    return True
+
+
+def _shortfall(
+    bundle: dict[str, float],
+    count: int,
+    strategy: str,
+    held: Mapping[str, float],
+    labels: Mapping[str, str],
+) -> str | None:
     """Why `count` bundles can never fit, or None if they might."""
-    nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+    alive = [node for node in ray.nodes() if node["Alive"]]
+    nodes = [node["Resources"] for node in alive if labels_match(node.get("Labels") or {}, labels)]
+    if not nodes:
+        return f"no node carries the labels {dict(labels)} (give a node them with `ray start --labels`)"
     fits = [_num_fitting(node, bundle) for node in nodes]
     if max(fits, default=0) == 0:
         most = {name: max((node.get(name, 0.0) for node in nodes), default=0.0) for name in bundle}
@@ -82,6 +120,8 @@ def _shortfall(bundle: dict[str, float], count: int, strategy: str, held: Mappin
         return f"STRICT_SPREAD needs {count} nodes with room for one each; the cluster has {num_roomy_nodes}"
     if strategy == "STRICT_PACK" and max(fits) < count:
         return f"STRICT_PACK needs one node with room for all {count}; the roomiest holds {max(fits)}"
+    if labels:  # what the rest of the deployment holds may lie on other nodes: only the wait can tell
+        return None
     total = ray.cluster_resources()
     for name, amount in bundle.items():
         need, have, taken = count * amount, total.get(name, 0.0), held.get(name, 0.0)

@@ -15,8 +15,8 @@ from deploy.actors import DEFAULT_CLASSES, StartError, gateway_settings_kwargs, 
 from deploy.calls import call, cause
 from deploy.members import Member, Roster
 from deploy.placement import HEAD_NODE_RESOURCE, NodeIps, placed_node
+from deploy.worker_spec import WorkerSpec
 from splitserve.config import ClusterConfig
-from splitserve.engine_config import EngineConfig
 
 logger = logging.getLogger("splitserve.deploy")
 
@@ -33,8 +33,8 @@ class ActorStarter:
     """Starts and ends the actors of one deployment, recording them in its `Roster`.
 
     Owns the actor classes (loaded on first use; `overrides` replaces any kind, see
-    deploy/actors.py) and what the workers are built from (one `EngineConfig` per pool, from
-    the model path resolved once in `prepare`). Every worker gets the address of its own
+    deploy/actors.py) and the model path, resolved once in `prepare`; each worker is built from
+    its own `WorkerSpec` (deploy/worker_spec.py). Every worker gets the address of its own
     node's store, which is started first; a member whose `start()` fails or overruns
     `health.start_timeout_s` raises `StartError` naming it. Every actor is handed the
     deployment's `cluster_token` (splitserve.rpc_auth) through Ray before its `start()`, so its
@@ -49,7 +49,7 @@ class ActorStarter:
         overrides: dict[str, type] | None,
         cluster_token: str,
     ) -> None:
-        self._config = config
+        self.config = config  # the one the controller applies now (an apply changes only what may change)
         self._token = cluster_token
         self._roster = roster
         self._node_ips = node_ips
@@ -60,14 +60,15 @@ class ActorStarter:
                 f"unknown actor_classes keys {sorted(unknown)}; known: {sorted(DEFAULT_CLASSES)}"
             )
         self._classes: dict[str, Any] = {}
-        self._engine_configs: dict[str, EngineConfig] = {}
-        self._model_path: str | None = None
+        self.model_path: str | None = None
 
     async def prepare(self) -> None:
-        """Resolve the model path (the embedded model may be built here) and each pool's engine config."""
-        self._model_path = await asyncio.to_thread(self._config.model.resolved_path)
-        for name in self._config.pool_names:
-            self._engine_configs[name] = self._config.engine_config(name, model_path=self._model_path)
+        """Resolve the model path (the embedded model may be built here)."""
+        self.model_path = await asyncio.to_thread(self.config.model.resolved_path)
+
+    def spec(self, config: ClusterConfig, pool: str) -> WorkerSpec:
+        """What a worker of `pool` runs under `config` (the model path resolved in `prepare`)."""
+        return WorkerSpec.of(config.pool(pool), config.engine_config(pool, model_path=self.model_path))
 
     async def launch(self, workers: list[Member]) -> None:
         """Start the stores these workers need (one per node), then the workers, concurrently."""
@@ -86,7 +87,7 @@ class ActorStarter:
         return store
 
     async def start_store(self, store: Member, port: int = 0) -> None:
-        cfg = self._config.store
+        cfg = self.config.store
         assert store.node_id is not None  # a store always belongs to one node
         cls = self._actor_class("store")
         # named only when set, so an actor class without the argument (a test's fake) still fits
@@ -102,19 +103,21 @@ class ActorStarter:
         """Create the worker in its bundle beside its node's store and start it. A bundle whose
         node died is waited for until Ray re-places it on a live node, whose store it then gets."""
         assert worker.pool is not None
-        section = self._config.pool(worker.pool)
+        spec = worker.spec
+        assert spec is not None  # a worker is placed for a spec
         cls = self._actor_class(worker.kind)
         for _ in range(MAX_MOVES + 1):
-            node_id = await placed_node(worker, self._config.health.start_timeout_s)
+            node_id = await placed_node(worker, self.config.health.start_timeout_s)
             store = await self.ensure_store(node_id)
             worker.handle = cls.options(
-                num_cpus=section.num_cpus,
-                num_gpus=section.num_gpus,
+                num_cpus=spec.num_cpus,
+                num_gpus=spec.num_gpus,
+                resources=dict(spec.resources),
                 max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     worker.group, placement_group_bundle_index=worker.bundle_index
                 ),
-            ).remote(self._engine_configs[worker.pool], store.address)
+            ).remote(spec.engine, store.address)
             try:
                 worker.address = await self._started_at(
                     worker, self._node_ips.ip(node_id), 0, on_node=node_id
@@ -133,8 +136,8 @@ class ActorStarter:
         )
 
     async def start_gateway(self, gateway: Member) -> None:
-        cfg = self._config.gateway
-        kwargs = gateway_settings_kwargs(self._config, self._model_path)
+        cfg = self.config.gateway
+        kwargs = gateway_settings_kwargs(self.config, self.model_path)
         settings = self._actor_class("gateway_settings")(**kwargs)
         cls = self._actor_class("gateway")
         gateway.handle = cls.options(
@@ -169,7 +172,7 @@ class ActorStarter:
             shutdown = member.handle.shutdown
             ref = shutdown.remote(drain_timeout_s=drain_timeout_s) if drain_timeout_s else shutdown.remote()
             with contextlib.suppress(Exception):
-                await call(ref, self._config.health.timeout_s + drain_timeout_s)
+                await call(ref, self.config.health.timeout_s + drain_timeout_s)
         self.kill(member)
 
     def kill(self, member: Member) -> None:
@@ -181,7 +184,7 @@ class ActorStarter:
     async def _started_at(self, member: Member, host: str, port: int, on_node: str | None = None) -> str:
         """Learn the new actor's node and pid, call its `start(host, port)`, mark it healthy;
         return its address. `_Moved` when it runs elsewhere than `on_node` (then not started)."""
-        timeout_s = self._config.health.start_timeout_s
+        timeout_s = self.config.health.start_timeout_s
         try:
             await call(member.handle.__ray_call__.remote(_hold_cluster_token, self._token), timeout_s)
             where = member.handle.__ray_call__.remote(_node_and_pid_of_actor)

@@ -22,9 +22,11 @@ def build_status(
     stopped: bool,
     published: WorkerLists | None,
     node_ips: NodeIps,
+    apply: dict[str, Any],
 ) -> dict[str, Any]:
-    """Everything at a glance: per pool replicas, addresses, health, restarts and load; per
-    worker, store and gateway its place, process, health and what it last reported."""
+    """Everything at a glance: per pool replicas (desired and running), addresses, health,
+    restarts and load; per worker, store and gateway its place, process, health and what it last
+    reported; the last apply's plan and steps (`apply`)."""
     ips = node_ips.known
     pools = {name: pool.summary(ips) for name, pool in roster.pools.items()}
     gateway = roster.gateway.row(ips) if roster.gateway else None
@@ -48,6 +50,7 @@ def build_status(
         "pools": pools,
         "stores": stores,
         "published": {"prefill": published[0], "decode": published[1]} if published else None,
+        "apply": apply,
     }
 
 

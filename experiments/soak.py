@@ -339,7 +339,7 @@ def soak(controller: Any, url: str, model: str, args: argparse.Namespace) -> dic
 def deployment(args: argparse.Namespace) -> Iterator[tuple[Any, str, str]]:
     """(controller, gateway URL, served model name): attached to, or started here and stopped after."""
     if args.attach:
-        from deploy.launcher import connect_to_controller
+        from deploy.control import connect_to_controller
 
         controller, _ = connect_to_controller(args.attach)
         status = ray.get(controller.status.remote(), timeout=60)

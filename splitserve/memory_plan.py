@@ -251,6 +251,8 @@ def plan_pool(
     except ValueError as exc:
         cache, max_model_len, error = None, None, str(exc)
     memory, source = _device_memory(section.device_memory_bytes, engine.device, detect_device)
+    if section.device_memory_bytes is None and memory is not None and 0 < section.num_gpus < 1:
+        memory, source = int(memory * section.num_gpus), f"{source}, its num_gpus {section.num_gpus:g} share"
     return PoolPlan(
         pool=pool,
         device=engine.device,

@@ -34,11 +34,9 @@ def registry(ray_cluster: None) -> Iterator[Any]:
 
 
 @contextlib.contextmanager
-def two_node_cluster(
-    num_cpus_per_node: int = 2, node_resources: dict[str, float] | None = None
-) -> Iterator[Any]:
+def two_node_cluster(num_cpus_per_node: int = 2, **second_node: Any) -> Iterator[Any]:
     """Two raylets and a GCS of our own, with this process connected; every process ends after.
-    `node_resources`: custom resources of the second node (the head has none).
+    `second_node` adds to the second node's `ray start` arguments (labels, resources, num_gpus).
 
     A `ray.cluster_utils.Cluster` writes its address to `<RAY_TMPDIR>/ray/ray_current_cluster`,
     where a plain `ray.init()` elsewhere on this machine would find it and join; an own
@@ -60,7 +58,7 @@ def two_node_cluster(
             },
         )
         try:
-            cluster.add_node(num_cpus=num_cpus_per_node, resources=node_resources or {})
+            cluster.add_node(num_cpus=num_cpus_per_node, **second_node)
             cluster.wait_for_nodes()
             ray.init(address=cluster.address, log_to_driver=False)
             yield cluster

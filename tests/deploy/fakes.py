@@ -6,6 +6,7 @@ start order, the addresses the gateway was told, and hold every fake's handle.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import ray
@@ -22,6 +23,13 @@ class Registry:
         self.events: list[tuple[Any, ...]] = []
         self.handles: list[tuple[str, str, Any]] = []  # (kind, address, handle)
         self.port = 20000
+        self.starts_held = False  # HeldWorker fakes wait in start() while this is set
+
+    def hold_starts(self, held: bool) -> None:
+        self.starts_held = held
+
+    def are_starts_held(self) -> bool:
+        return self.starts_held
 
     def record(self, *event: Any) -> None:
         self.events.append(event)
@@ -63,7 +71,7 @@ class _Fake:
         return {"num_running": 1, "kind": self.kind}
 
     def shutdown(self, drain_timeout_s: float = 0.0) -> None:
-        ray.get(_registry().record.remote("shutdown", self.kind, self.address))
+        ray.get(_registry().record.remote("shutdown", self.kind, self.address, drain_timeout_s))
 
 
 class FakeStore(_Fake):
@@ -126,3 +134,15 @@ class FailingPrefill(FakePrefill):
 
     def start(self, host: str, port: int = 0) -> str:
         raise FileNotFoundError("/models/missing/config.json")
+
+
+class HeldPrefill(FakePrefill):
+    """A prefill worker whose `start()` waits while the registry holds starts (a slow model load),
+    and fails for an engine config of `max_num_seqs: 13` (a new spec that cannot start)."""
+
+    def start(self, host: str, port: int = 0) -> str:
+        while ray.get(_registry().are_starts_held.remote()):
+            time.sleep(0.05)
+        if self.engine_config.max_num_seqs == 13:
+            raise RuntimeError("this engine config cannot start")
+        return super().start(host, port)

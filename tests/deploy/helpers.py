@@ -60,8 +60,10 @@ def wait_until(probe: Callable[[], T | None], *, timeout_s: float = 60, what: st
 
 # The documented shape of `status()` (deploy/README.md, "Status as JSON").
 STATUS_KEYS = {"mode", "model", "started", "stopped", "healthy", "gateway", "pools", "stores", "published"}
+STATUS_KEYS |= {"apply"}
 POOL_KEYS = {"role", "replicas", "placement", "bundle", "addresses", "num_healthy", "healthy", "restarts"}
-POOL_KEYS |= {"load", "workers"}
+POOL_KEYS |= {"load", "workers", "desired_replicas", "num_outdated", "node_labels"}
+APPLY_KEYS = {"in_progress", "plan", "done", "step", "error"}
 ROW_KEYS = {"kind", "pool", "index", "address", "node_id", "node_ip", "pid", "healthy", "restarts"}
 ROW_KEYS |= {"given_up", "error", "stats"}
 
@@ -71,11 +73,13 @@ def check_status_shape(status: dict[str, Any]) -> None:
     assert json.loads(json.dumps(status)) == status
     assert set(status) == STATUS_KEYS
     rows = [status["gateway"], *status["stores"]]
+    assert set(status["apply"]) == APPLY_KEYS
     for name, pool in status["pools"].items():
         assert set(pool) == POOL_KEYS
         assert [w["index"] for w in pool["workers"]] == list(range(pool["replicas"]))
         for worker in pool["workers"]:
             assert worker["pool"] == name and worker["kind"] == pool["role"]
+            assert worker["outdated"] is False  # no apply has run
         rows += pool["workers"]
     assert set(status["gateway"]) == ROW_KEYS | {"url"}
     for row in rows:

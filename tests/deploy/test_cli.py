@@ -6,6 +6,8 @@ import copy
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -184,7 +186,7 @@ def test_config_check_says_when_the_checkpoint_is_not_on_this_machine(tmp_path, 
     assert "`splitserve up` without --address refuses it here" in err
 
 
-def test_status_from_another_process_prints_the_table(ray_with_registry):
+def test_status_resize_and_apply_from_another_process(ray_with_registry, tmp_path):
     with run_cluster(small_config(), actor_classes=FAKE_CLASSES) as cluster:
         address = ray.get_runtime_context().gcs_address
         result = run_splitserve("status", "--address", address)
@@ -199,7 +201,23 @@ def test_status_from_another_process_prints_the_table(ray_with_registry):
         assert "decode 2/2" in resize.stdout
         assert len(cluster.status()["pools"]["decode"]["addresses"]) == 2
         refused = run_splitserve("resize", "decode", "0", "--address", address)
-        assert refused.returncode == 1 and "at least 1 replica" in refused.stderr
+        assert refused.returncode == 1 and "decode.replicas: must be at least 1 (got 0)" in refused.stderr
+
+        # apply finds the deployment as status does; a dry run prints the plan, a model change is refused
+        shrunk = tmp_path / "shrunk.yaml"
+        shrunk.write_text(small_config().to_yaml())
+        dry = run_splitserve("apply", "--config", str(shrunk), "--address", address, "--dry-run")
+        assert dry.returncode == 0, dry.stderr
+        assert dry.stdout.splitlines() == [
+            "plan:",
+            "  - decode: drain and remove 1 replica(s) (2 -> 1), outdated ones first",
+            "dry run: nothing changed",
+        ]
+        moved = tmp_path / "moved.yaml"
+        moved.write_text(small_config(model={"path": "/models/moved"}).to_yaml())
+        refused = run_splitserve("apply", "--config", str(moved), "--address", address)
+        assert refused.returncode == 1 and "model cannot change live" in refused.stderr
+        assert len(cluster.status()["pools"]["decode"]["addresses"]) == 2
 
 
 def test_status_without_a_deployment_says_so(ray_with_registry):
@@ -211,3 +229,29 @@ def test_status_without_a_deployment_says_so(ray_with_registry):
     assert named.returncode == 1
     assert "no splitserve controller in namespace 'splitserve-other'" in named.stderr
     assert "splitserve up --name other" in named.stderr
+
+
+# Runs in a fresh interpreter: the engine's packages refused, as on a base install.
+_WITHOUT_THE_ENGINE = """
+import sys
+class RefuseEngine:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("torch", "transformers", "safetensors", "triton"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, RefuseEngine())
+from cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("command", [["make-tiny-model", "{tmp}/tiny"], ["demo"]])
+def test_a_command_that_needs_torch_says_so_in_one_line_on_a_base_install(command, tmp_path):
+    args = [arg.format(tmp=tmp_path) for arg in command]
+    result = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_THE_ENGINE, *args], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        f"splitserve {command[0]}: needs the engine extra (torch is not installed here): pip install "
+        "'splitserve[engine]' (with torch for this machine's hardware first: deploy/README.md, \"Installing\")"
+    ]

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ValidationError
 
 from deploy.actors import gateway_settings_kwargs
 from deploy.launcher import required_resources
-from deploy.members import bundle_of
+from deploy.worker_spec import bundle_of
 from frontend.settings import GatewaySettings
 from splitserve.config import (
     ClusterConfig,
@@ -18,6 +18,7 @@ from splitserve.config import (
     PoolConfig,
     default_config,
     format_bytes,
+    gateway_api_keys,
     load_config,
     parse_bytes,
     parse_config,
@@ -210,7 +211,12 @@ def test_colocated_mode_without_a_decode_section_has_one_pool(tmp_path):
 
 
 def test_pools_need_a_replica_and_no_negative_gpus(tmp_path):
-    assert "prefill.replicas: must be at least 1 (got 0)" in error_of(tmp_path, "prefill: {replicas: 0}")
+    assert "decode.replicas: must be at least 1 (got 0)" in error_of(tmp_path, "decode: {replicas: 0}")
+    message = error_of(tmp_path, "prefill: {replicas: 0, fallback: fail}")
+    assert "prefill.replicas: must be at least 1 (got 0); 0 removes the prefill pool only with" in message
+    # the decode workers compute the prompts: a deployment without a prefill pool
+    assert load_config(write(tmp_path, "prefill: {replicas: 0}")).prefill.replicas == 0
+    assert "prefill.replicas" in error_of(tmp_path, "mode: colocated\nprefill: {replicas: 0}")
     assert "decode.num_gpus: Input should be greater than or equal to 0" in error_of(
         tmp_path, "decode: {num_gpus: -1}"
     )
@@ -328,3 +334,52 @@ def test_the_gateway_address_can_be_overridden_and_is_validated():
     assert with_gateway_address(config, host=None, port=None) is config
     with pytest.raises(ConfigError, match="--host/--port"):
         with_gateway_address(config, host=None, port=70000)
+
+
+def test_placement_keys_take_custom_resources_labels_and_gpu_fractions(tmp_path):
+    config = load_config(
+        write(
+            tmp_path, "prefill: {num_gpus: 0.5, resources: {prefill_node: 1}, node_labels: {node-type: h200}}"
+        )
+    )
+    assert (config.prefill.num_gpus, config.prefill.resources) == (0.5, {"prefill_node": 1.0})
+    assert config.prefill.node_labels == {"node-type": "h200"}
+    assert config.engine_config("prefill", model_path="m").device == "cuda"
+    assert "decode.num_gpus: a worker runs on one GPU" in error_of(tmp_path, "decode: {num_gpus: 2}")
+    message = error_of(tmp_path, "decode: {resources: {object_store_memory: 1}}")
+    assert "decode.resources: 'object_store_memory' is Ray's own resource" in message
+    assert "above 0" in error_of(tmp_path, "decode: {resources: {slot: 0}}")
+    assert "needs a key and a value" in error_of(tmp_path, "decode: {node_labels: {zone: ''}}")
+
+
+def test_api_keys_come_from_a_variable_or_a_file_and_never_show_in_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("GATEWAY_KEYS", "k-one, k-two\nk-three")
+    from_env = parse_config({"gateway": {"api_keys_env": "GATEWAY_KEYS"}})
+    assert gateway_api_keys(from_env.gateway) == ("k-one", "k-two", "k-three")
+    assert gateway_settings_kwargs(from_env, None)["api_keys"] == ["k-one", "k-two", "k-three"]
+    assert "k-one" not in from_env.to_yaml()
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("# rotated weekly\nk-file\n\n  k-file-2  \n")
+    from_file = parse_config({"gateway": {"api_keys_file": str(keys_file)}})
+    assert gateway_api_keys(from_file.gateway) == ("k-file", "k-file-2")
+
+    monkeypatch.setenv("GATEWAY_KEYS", " , ")
+    with pytest.raises(ValueError, match="the variable GATEWAY_KEYS holds no key") as empty:
+        gateway_api_keys(from_env.gateway)
+    monkeypatch.delenv("GATEWAY_KEYS")
+    with pytest.raises(ValueError, match="the variable GATEWAY_KEYS is not set") as unset:
+        gateway_api_keys(from_env.gateway)
+    keys_file.write_text("# nothing yet\n")
+    with pytest.raises(ValueError, match="holds no key") as no_key:
+        gateway_api_keys(from_file.gateway)
+    keys_file.unlink()
+    with pytest.raises(ValueError, match=f"cannot read {keys_file}"):
+        gateway_api_keys(from_file.gateway)
+    assert not any("k-" in str(info.value) for info in (empty, unset, no_key))
+
+    assert "give the API keys one way, not api_keys and api_keys_env" in error_of(
+        tmp_path, "gateway: {api_keys: [a], api_keys_env: KEYS}"
+    )
+    assert "gateway.api_keys_env: String should match pattern" in error_of(
+        tmp_path, "gateway: {api_keys_env: 'not a name'}"
+    )

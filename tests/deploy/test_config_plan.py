@@ -179,3 +179,14 @@ def test_with_a_remote_ray_only_pools_that_give_their_device_memory_are_checked(
     small = parse_config({"model": {"path": str(tiny_path)}, "decode": {"device_memory_bytes": "64MiB"}})
     with pytest.raises(ClusterError, match=r"decode: needs .* but the device has 64.00 MiB"):
         check_memory_plan(small, detect_device=False)
+
+
+def test_a_worker_with_a_gpu_fraction_is_planned_against_its_share(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("splitserve.memory_plan.visible_gpu_memory_bytes", lambda: 140 * 2**30)
+    pools = "{num_gpus: 0.5, kv_cache_memory_bytes: 8GiB}"
+    path = write(tmp_path, f"model: {{dtype: bfloat16}}\nprefill: {pools}\ndecode: {pools}\n")
+    # the 48B model's weights fit a whole H200 but not half of one
+    assert main(["config", "plan", path, "--model-config", str(CONFIG_48B), "--json"]) == 1
+    prefill = json.loads(capsys.readouterr().out)["pools"][0]
+    assert prefill["device_memory_bytes"] == 70 * 2**30
+    assert prefill["device_memory_source"] == "the visible GPU, its num_gpus 0.5 share"

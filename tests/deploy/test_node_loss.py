@@ -30,7 +30,7 @@ DECODE_HOST = {"decode_host": 1.0}
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[Cluster]:
-    with two_node_cluster(node_resources=DECODE_HOST) as cluster:
+    with two_node_cluster(resources=DECODE_HOST) as cluster:
         yield cluster
 
 
@@ -91,11 +91,14 @@ def test_a_worker_that_lands_off_the_node_whose_store_it_was_given_is_started_ag
 
     monkeypatch.setattr(starter_module, "placed_node", placed_node)
     config = small_config()
-    roster = Roster(pools={"decode": Pool(name="decode", role="decode", section=config.decode)})
+    roster = Roster()
     starter = ActorStarter(config, roster, NodeIps(), FAKE_CLASSES, cluster_token="t")
-    worker = Member(kind="decode", index=0, pool="decode", group=group, bundle_index=0)
+    asyncio.run(starter.prepare())
+    spec = starter.spec(config, "decode")
+    roster.pools["decode"] = Pool(name="decode", role="decode", spec=spec, replicas=1)
+    worker = Member(kind="decode", index=0, pool="decode", group=group, bundle_index=0, spec=spec)
     try:
-        asyncio.run(_started(starter, worker))
+        asyncio.run(starter.start_worker(worker))
         constructed = [e for e in ray.get(registry.get_events.remote()) if e[:2] == ("construct", "decode")]
         assert [(e[2], e[4]) for e in constructed] == [
             (roster.stores[other].address, head),  # given the other node's store: not started
@@ -109,8 +112,3 @@ def test_a_worker_that_lands_off_the_node_whose_store_it_was_given_is_started_ag
         for member in [worker, *roster.stores.values()]:
             starter.kill(member)
         remove_placement_group(group)
-
-
-async def _started(starter: ActorStarter, worker: Member) -> None:
-    await starter.prepare()
-    await starter.start_worker(worker)

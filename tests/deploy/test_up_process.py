@@ -7,6 +7,7 @@ the 30 s wait for the exit; nothing may be left running in its session afterward
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -39,22 +40,32 @@ def alive_in_session(session_id: int) -> list[str]:
     return alive
 
 
-@pytest.fixture
-def up(tmp_path: Path) -> Iterator[tuple[UpProcess, Path]]:
-    runtime_dir = Path(tempfile.mkdtemp(prefix="ss-"))  # short: Ray's socket paths live under it
-    config = tmp_path / "tiny.yaml"
-    config.write_text(
+def tiny_config(path: Path, num_cpus: float, decode_replicas: int = 1) -> Path:
+    """A config of the tiny model with small caches, each worker reserving `num_cpus`."""
+    path.write_text(
         "gateway: {port: 0}\n"
-        "prefill: {num_cpus: 0.5, kv_cache_memory_bytes: 16MiB}\n"
-        "decode: {num_cpus: 0.5, kv_cache_memory_bytes: 16MiB}\n"
-        f"store: {{memory_bytes: 64MiB, disk: {{path: {tmp_path / 'store'}, bytes: 64MiB}}}}\n"
+        f"prefill: {{num_cpus: {num_cpus}, kv_cache_memory_bytes: 16MiB}}\n"
+        f"decode: {{num_cpus: {num_cpus}, kv_cache_memory_bytes: 16MiB, replicas: {decode_replicas}}}\n"
+        f"store: {{memory_bytes: 64MiB, disk: {{path: {path.parent / 'store'}, bytes: 64MiB}}}}\n"
     )
-    process = UpProcess(config, runtime_dir, "sigterm")
+    return path
+
+
+@contextlib.contextmanager
+def up_process(config: Path, name: str) -> Iterator[tuple[UpProcess, Path]]:
+    runtime_dir = Path(tempfile.mkdtemp(prefix="ss-"))  # short: Ray's socket paths live under it
+    process = UpProcess(config, runtime_dir, name)
     try:
         yield process, runtime_dir
     finally:
         process.kill_group()
         shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def up(tmp_path: Path) -> Iterator[tuple[UpProcess, Path]]:
+    with up_process(tiny_config(tmp_path / "tiny.yaml", num_cpus=0.5), "sigterm") as started:
+        yield started
 
 
 def test_sigterm_to_the_process_group_stops_up_and_leaves_nothing_running(up):
@@ -83,3 +94,29 @@ def test_sigterm_to_the_process_group_stops_up_and_leaves_nothing_running(up):
     )
     assert "stopped\n" in process.stderr
     assert not (runtime_dir / "sigterm.json").exists()
+
+
+def test_the_quick_start_grows_with_apply_and_shrinks_with_resize(tmp_path):
+    """As a new user would: `up`, then `apply` a config with a second decode replica, then `resize`
+    back. The workers reserve 1 CPU each, as the default's do: a local Ray sized to the config
+    exactly had no room for a third worker (a PlacementError)."""
+    with up_process(tiny_config(tmp_path / "quick.yaml", num_cpus=1), "grow") as (process, runtime_dir):
+        process.wait_for_line("healthy:", START_TIMEOUT_S)
+        grown = tiny_config(tmp_path / "grown.yaml", num_cpus=1, decode_replicas=2)
+        applied = run_splitserve("apply", "--config", str(grown), runtime_dir=str(runtime_dir), timeout_s=600)
+        assert applied.returncode == 0, applied.stderr
+        assert "  - decode: add 1 replica(s) (1 -> 2)" in applied.stdout
+        assert "  done: decode: add 1 replica(s)" in applied.stdout
+        assert applied.stdout.rstrip().splitlines()[-1].startswith("healthy: prefill 1/1, decode 2/2")
+        wait_until(  # the controller logged the step, and Ray forwarded it to `up`'s terminal
+            lambda: any(
+                "splitserve.deploy: apply: decode: add 1 replica(s)" in line for line in process.stderr
+            ),
+            what="the controller's log line of the step in up's output",
+        )
+
+        resized = run_splitserve("resize", "decode", "1", runtime_dir=str(runtime_dir), timeout_s=600)
+        assert resized.returncode == 0, resized.stderr
+        assert resized.stdout.startswith("healthy: prefill 1/1, decode 1/1")
+        os.killpg(process.process.pid, signal.SIGTERM)
+        assert process.process.wait(timeout=STOP_TIMEOUT_S) == 0, "".join(process.stderr)
