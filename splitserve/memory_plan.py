@@ -234,7 +234,7 @@ def plan_pool(
     the config asks for it); a size the ranks cannot split is a ValueError naming it."""
     section = config.pool(pool)
     tp = tensor_parallel or section.tensor_parallel
-    ep = bool(getattr(section, "expert_parallel", False) if expert_parallel is None else expert_parallel)
+    ep = section.expert_parallel if expert_parallel is None else expert_parallel
     ep = ep and tp > 1
     check_splits(model, tp, ep)
     engine = config.engine_config(pool, model_path="<plan>").replace(

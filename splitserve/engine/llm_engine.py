@@ -19,8 +19,18 @@ from splitserve.engine.loader import load_model
 from splitserve.engine.model_config import KimiLinearModelConfig
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.ops.kda_dispatch import kda_backend
-from splitserve.engine.parallel.commands import AbortRequest, AddRequest, FinishRequest, PromptLogits, Step
+from splitserve.engine.parallel.commands import (
+    AbortRequest,
+    AddRequest,
+    AdmitTransferred,
+    FinishRequest,
+    PromptLogits,
+    ReserveTransfer,
+    Step,
+    WriteTransferred,
+)
 from splitserve.engine.parallel.group import SINGLE, TensorParallel
+from splitserve.engine.parallel.handoff import DriverExports, FollowerExports, ShardingSink
 from splitserve.engine.parallel.ranks import RankProcesses, rank_config
 from splitserve.engine.parallel_sampling import SampleForker, SampleStart, make_samples
 from splitserve.engine.prefix_cache import ImportedPrefix, PrefixCacheStats, PrefixEvent, RetainedPrefix
@@ -72,6 +82,7 @@ class LLMEngine:
     the engine being dropped, or the interpreter leaving) ends them. A rank's engine is built with
     its `tp` given and forwards nothing. Every rank ends its construction with the same warm-up
     (engine/warm_up.py), so the warm-up's steps meet in the same collectives on every rank.
+    State handed off in or out goes through every rank, each with its heads (parallel/handoff.py).
     """
 
     def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
@@ -141,7 +152,10 @@ class LLMEngine:
             tp,
         )
         self.requests: dict[str, Request] = {}
-        self._sinks: dict[str, TransferSink] = {}  # reserved requests' state, written from any thread
+        self._sinks: dict[str, ShardingSink] = {}  # reserved requests' state, written from any thread
+        num_heads = self.model_config.linear_num_heads
+        self.driver_exports = DriverExports(tp, num_heads) if tp.size > 1 and tp.rank == 0 else None
+        self.follower_exports = FollowerExports(tp, num_heads) if tp.rank > 0 else None
         self._arrivals = itertools.count()
         self.warm_up = warm_up_engine(self, load_start_s)  # compiles, autotunes before the first request
         logger.info(
@@ -223,17 +237,25 @@ class LLMEngine:
                 "a request resumed with output_token_ids is one sample: send n=1 with that sample's seed"
             )
         if self.ranks is not None:
-            if export is not None or imported_prefix is not None:
+            if imported_prefix is not None:
                 raise ValueError(
-                    "a tensor-parallel engine does not hand off or import state yet (its ranks' head-ranged "
-                    "pieces are not wired to the store: issue 26, part 4); use tensor_parallel_size 1 for it"
+                    "a tensor-parallel engine does not import a stored prefix (its ranks would each need "
+                    "their heads of it); use tensor_parallel_size 1 for the cluster prefix cache"
                 )
             # every rank makes the same samples of it and forks them at the same step
             self.ranks.send(
                 AddRequest(
-                    request_id, list(prompt_token_ids), params, prefill_only, prefix_hashes, output_token_ids
+                    request_id,
+                    list(prompt_token_ids),
+                    params,
+                    prefill_only or export is not None,
+                    prefix_hashes,
+                    output_token_ids,
+                    export_to_driver=export is not None,
                 )
             )
+            if export is not None and self.driver_exports is not None:
+                export = self.driver_exports.wrap(export)
         first = self._new_request(request_id, prompt_token_ids, params, prompt)
         samples = make_samples(
             first,
@@ -280,11 +302,6 @@ class LLMEngine:
         computes, and a slot and a block for each further sample it forks into on admission
         (`admit_transferred_samples`). False when there is no room now (the caller retries
         elsewhere or later)."""
-        if self.tp.size > 1:
-            raise ValueError(
-                "a tensor-parallel engine does not take handed-off state yet (its ranks' head-ranged "
-                "pieces are not wired to the store: issue 26, part 4); run decode at tensor_parallel_size 1"
-            )
         if self._engine_ids(request_id):
             raise ValueError(f"request id {request_id!r} is already in flight")
         if not 0 < num_prompt_tokens < self.max_model_len:
@@ -305,12 +322,16 @@ class LLMEngine:
         assert placeholder.state_slot is not None
         self.requests[request_id] = placeholder
         rows = token_rows(placeholder.block_table, num_prompt_tokens, self.config.block_size)
-        self._sinks[request_id] = TransferSink(
-            self.caches, rows, placeholder.state_slot, num_prompt_tokens, self.device
-        )
+        local = TransferSink(self.caches, rows, placeholder.state_slot, num_prompt_tokens, self.device)
+        forward = None
+        if self.ranks is not None:  # the same room on every rank; the reader's pieces cut for each
+            self.ranks.send(ReserveTransfer(request_id, num_prompt_tokens, num_samples))
+            ranks = self.ranks
+            forward = lambda rank, state: ranks.send_to(rank, WriteTransferred(request_id, state))  # noqa: E731
+        self._sinks[request_id] = ShardingSink(local, self.tp, self.model_config.linear_num_heads, forward)
         return True
 
-    def transfer_sink(self, request_id: str) -> TransferSink:
+    def transfer_sink(self, request_id: str) -> ShardingSink:
         """Where the state of a reservation is written, from any thread (see `TransferSink`)."""
         sink = self._sinks.get(request_id)
         if sink is None:
@@ -335,6 +356,23 @@ class LLMEngine:
 
         `output_token_ids` (decode failover): tokens generated before `first_token_id`; the
         reserved state covers prompt + these, and `first_token_id` is output token len(these)."""
+        if self.ranks is not None:  # every piece was forwarded before: each rank's sink is complete
+            self.ranks.send(
+                AdmitTransferred(request_id, list(prompt_token_ids), params, first_token_id, output_token_ids)
+            )
+        return self._admit_transferred(
+            request_id, prompt_token_ids, params, first_token_id, first_logprobs, output_token_ids
+        )
+
+    def _admit_transferred(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        first_token_id: int,
+        first_logprobs: dict[int, float] | None = None,
+        output_token_ids: list[int] | None = None,
+    ) -> Request:
         reserved = self.scheduler.reserved.get(request_id)
         sink = self._sinks.get(request_id)
         if reserved is None or sink is None:
@@ -376,8 +414,12 @@ class LLMEngine:
         if not live or reserved is None or len(reserved.fork_slots) < len(live) - 1:
             room = "no reservation" if reserved is None else f"room for {1 + len(reserved.fork_slots)}"
             raise ValueError(f"{len(live)} samples of {request_id} to decode; {room} was reserved")
+        if self.ranks is not None:
+            self.ranks.send(
+                AdmitTransferred(request_id, list(prompt_token_ids), params, 0, starts=list(starts))
+            )
         head = starts[live[0]]
-        parent = self.admit_transferred(
+        parent = self._admit_transferred(
             request_id, prompt_token_ids, params.for_sample(live[0]), head.token_id, head.logprobs
         )
         self.requests.pop(request_id)
@@ -451,6 +493,9 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Abort a request (every sample of one with several), or one sample by its own id."""
         if self.ranks is not None:
+            sink = self._sinks.get(request_id)
+            if sink is not None:
+                sink.close()  # no piece is forwarded after the ranks drop the reservation
             self.ranks.send(AbortRequest(request_id))  # each rank aborts the same samples
         self._abort(request_id)
 
@@ -557,6 +602,8 @@ class LLMEngine:
             if s.request.first_scheduled_s is None:
                 s.request.first_scheduled_s = now
         result = self.runner.execute(output.scheduled)
+        if self.driver_exports is not None and self.driver_exports.take_count():
+            self._relay_follower_exports(output.scheduled)
         self.scheduler.postprocess(output, result.token_ids)
         drawn = self._fork_samples(output.scheduled, result.token_ids)  # before any stop frees a prompt
         updates = []
@@ -588,6 +635,14 @@ class LLMEngine:
         if self.replay is not None:  # after the stops: a finished request publishes nothing more
             self.replay.after_step([s.request for s in output.scheduled])
         return updates
+
+    def _relay_follower_exports(self, scheduled: list[ScheduledRequest]) -> None:
+        """Rank 0 exported KDA shares this step: so did every rank; pass theirs to the same exports."""
+        assert self.ranks is not None
+        exports = {s.request.request_id: s.request.export for s in scheduled if s.request.export is not None}
+        for rank in range(1, self.tp.size):
+            for request_id, state in self.ranks.receive(rank):
+                exports[request_id](state)  # type: ignore[misc]
 
     def _fork_samples(self, scheduled: list[ScheduledRequest], token_ids: dict[str, int]) -> list[Request]:
         """The samples that drew their first token this step from the prompt of one that was

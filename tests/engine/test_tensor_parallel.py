@@ -145,20 +145,6 @@ def test_prompt_logits_on_two_ranks_match_one(checkpoint):
         two.shutdown()
 
 
-def test_state_handoffs_are_refused_until_the_cluster_wires_them(checkpoint):
-    path, prompts = checkpoint
-    llm = LLM(model=str(path), dtype="float32", max_model_len=400, tensor_parallel_size=2)
-    try:
-        with pytest.raises(ValueError, match="does not hand off or import state yet"):
-            llm.engine.add_request("x", prompts[1], _params(), export=lambda state: None)
-        with pytest.raises(ValueError, match="does not take handed-off state yet"):
-            llm.engine.reserve_transfer("y", 10)
-        out = llm.generate(prompt_token_ids=[prompts[1]], sampling_params=_params())  # still in step
-        assert len(out[0].outputs[0].token_ids) == NUM_NEW_TOKENS
-    finally:
-        llm.shutdown()
-
-
 def test_sizes_the_ranks_cannot_split_are_refused_before_any_rank_starts(checkpoint):
     path, _ = checkpoint
     with pytest.raises(

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from splitserve.engine.parallel_sampling import SampleStart
+from splitserve.engine.state_transfer import LayerState
 from splitserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -36,21 +38,75 @@ class Command:
 
 @dataclass(frozen=True)
 class AddRequest(Command):
+    """`export_to_driver`: rank 0 exports the request's state; this rank's KDA shares go to it."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     prefill_only: bool = False
     prefix_hashes: list[bytes] | None = None
     output_token_ids: list[int] | None = None
+    export_to_driver: bool = False
 
     def apply(self, engine: LLMEngine) -> None:
+        exports = engine.follower_exports
+        export = exports.export_for(self.request_id) if self.export_to_driver and exports else None
         engine.add_request(
             self.request_id,
             self.prompt_token_ids,
             self.params,
+            export=export,
             prefix_hashes=self.prefix_hashes,
             output_token_ids=self.output_token_ids,
             prefill_only=self.prefill_only,
+        )
+
+
+@dataclass(frozen=True)
+class ReserveTransfer(Command):
+    """Rank 0 reserved room for handed-off state: so does every rank (the same blocks and slot)."""
+
+    must_succeed = True
+    request_id: str
+    num_prompt_tokens: int
+    num_samples: int = 1
+
+    def apply(self, engine: LLMEngine) -> None:
+        if not engine.reserve_transfer(self.request_id, self.num_prompt_tokens, self.num_samples):
+            raise RuntimeError(f"rank {engine.tp.rank} found no room for {self.request_id} where rank 0 did")
+
+
+@dataclass(frozen=True)
+class WriteTransferred(Command):
+    """This rank's heads of one arriving piece (every MLA piece whole), cut by rank 0's reader."""
+
+    request_id: str
+    state: LayerState
+
+    def apply(self, engine: LLMEngine) -> None:
+        engine.write_transferred_state(self.request_id, self.state)
+
+
+@dataclass(frozen=True)
+class AdmitTransferred(Command):
+    must_succeed = True
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    first_token_id: int
+    output_token_ids: list[int] | None = None
+    starts: list[SampleStart] | None = None  # several samples: `admit_transferred_samples`
+
+    def apply(self, engine: LLMEngine) -> None:
+        if self.starts is not None:
+            engine.admit_transferred_samples(self.request_id, self.prompt_token_ids, self.params, self.starts)
+            return
+        engine.admit_transferred(
+            self.request_id,
+            self.prompt_token_ids,
+            self.params,
+            self.first_token_id,
+            output_token_ids=self.output_token_ids,
         )
 
 

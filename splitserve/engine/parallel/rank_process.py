@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import sys
 import traceback
 from multiprocessing.connection import Connection
@@ -42,7 +43,7 @@ def run_rank(conn: Connection) -> None:
     conn.send(RankReady(setup.rank))
     while True:
         try:
-            command: Command = conn.recv()
+            command: Command = pickle.loads(conn.recv_bytes())
         except EOFError:
             return  # the driver ended without a word: so does its rank
         if isinstance(command, Shutdown):
@@ -54,6 +55,9 @@ def run_rank(conn: Connection) -> None:
                 raise
             logger.debug("rank %d: %s failed as it did on the driver", setup.rank, command, exc_info=True)
         engine.take_prefix_events()  # nobody routes by a follower's events: drop them
+        exports = engine.follower_exports
+        if exports is not None and exports.pieces:  # rank 0 exported in this step too: it waits for these
+            conn.send_bytes(pickle.dumps(exports.take()))
 
 
 def main() -> None:

@@ -13,13 +13,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -43,13 +46,18 @@ class RankGone(RuntimeError):
 class RankProcesses:
     """Owns ranks 1..N-1 of one engine: their processes and the connections commands go through.
 
-    `send` forwards a command to every rank in order; it raises `RankGone` naming a rank whose
-    process has ended. Not thread-safe: the engine's one driver thread calls it.
+    `send` forwards a command to every rank in order (`send_to`: to one); it raises `RankGone`
+    naming a rank whose process has ended. Commands are pickled whole (tensors by value: torch's
+    multiprocessing pickler would pass their storage as file descriptors). Sends are serialized by
+    a lock: the engine thread sends its calls, a state reader's thread the pieces it cuts for the
+    ranks, each message whole and in the order taken. `receive` (the engine thread) reads what a
+    rank sends back: its KDA shares of an exporting step.
     """
 
     def __init__(self, procs: list[subprocess.Popen[bytes]], conns: list[Connection]) -> None:
         self.procs = procs
         self.conns = conns
+        self._send_lock = threading.Lock()
         self._finalizer = weakref.finalize(self, _end, procs, conns)
 
     @classmethod
@@ -116,15 +124,44 @@ class RankProcesses:
 
     def send(self, command: Command) -> None:
         """Forward `command` to every rank, in order."""
-        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
-            try:
-                conn.send(command)
-            except OSError as exc:
-                proc.poll()
-                raise RankGone(
-                    f"rank {rank} of this tensor-parallel engine is gone (exit code {proc.returncode}); "
-                    "start the engine again"
-                ) from exc
+        data = pickle.dumps(command)
+        with self._send_lock:
+            for rank in range(1, len(self.conns) + 1):
+                self._send(rank, data)
+
+    def send_to(self, rank: int, command: Command) -> None:
+        """Forward `command` to rank `rank` (1..N-1) only."""
+        data = pickle.dumps(command)
+        with self._send_lock:
+            self._send(rank, data)
+
+    def _send(self, rank: int, data: bytes) -> None:
+        try:
+            self.conns[rank - 1].send_bytes(data)
+        except OSError as exc:
+            raise self._gone(rank) from exc
+
+    def receive(self, rank: int) -> Any:
+        """The next thing rank `rank` sent back (blocks; `RankGone` if its process ended)."""
+        try:
+            return pickle.loads(self.conns[rank - 1].recv_bytes())
+        except (EOFError, OSError) as exc:
+            raise self._gone(rank) from exc
+
+    def _gone(self, rank: int) -> RankGone:
+        proc = self.procs[rank - 1]
+        proc.poll()
+        return RankGone(
+            f"rank {rank} of this tensor-parallel engine is gone (exit code {proc.returncode}); "
+            "start the engine again"
+        )
+
+    def ended(self) -> str | None:
+        """Which rank's process has ended, in words, or None while all run (any thread)."""
+        for rank, proc in enumerate(self.procs, start=1):
+            if proc.poll() is not None:
+                return f"rank {rank} ended (exit code {proc.returncode})"
+        return None
 
     def close(self) -> None:
         """Tell every rank to stop, wait for it (kill it after STOP_TIMEOUT_S); idempotent."""
@@ -134,7 +171,7 @@ class RankProcesses:
 def _end(procs: list[subprocess.Popen[bytes]], conns: list[Connection]) -> None:
     for conn in conns:
         with contextlib.suppress(OSError):  # a rank already gone
-            conn.send(Shutdown())
+            conn.send_bytes(pickle.dumps(Shutdown()))
     deadline = time.monotonic() + STOP_TIMEOUT_S
     for proc in procs:
         try:
