@@ -17,8 +17,8 @@ from decode_worker.resume import KeptStreams, reserve_room
 from decode_worker.state_reader import StateReader
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import LLMEngine, RequestUpdate
+from splitserve.engine.parallel.handoff import ShardingSink
 from splitserve.engine.parallel_sampling import SampleStart
-from splitserve.engine.transfer_sink import TransferSink
 from splitserve.rpc import abort
 from splitserve.sampling_params import SamplingParams, sample_request_id
 from splitserve.state.client import StateStoreClient
@@ -144,7 +144,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         )
 
     def _open_reader(
-        self, request: decode_pb2.ReserveRequest, context: grpc.ServicerContext, sink: TransferSink
+        self, request: decode_pb2.ReserveRequest, context: grpc.ServicerContext, sink: ShardingSink
     ) -> StateReader | None:
         """Start pulling a granted reservation's state, its lapse armed; None (nothing started)
         when the caller is gone. Raises what opening the read raised (the store unreachable)."""

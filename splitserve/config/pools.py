@@ -148,7 +148,7 @@ class DecodePoolConfig(PoolConfig):
     def _replay_on_one_rank(self) -> DecodePoolConfig:
         if self.replay_window and self.tensor_parallel > 1:
             raise ValueError(
-                "decode.replay_window with tensor_parallel > 1: a rank's ReplaySSM records are not "
+                "replay_window with tensor_parallel > 1: a rank's ReplaySSM records are not "
                 "published to the store; set replay_window: 0 (failover re-prefills)"
             )
         return self

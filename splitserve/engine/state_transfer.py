@@ -52,14 +52,15 @@ def token_rows(block_table: list[int], num_tokens: int, block_size: int, start: 
     return table[positions // block_size] * block_size + positions % block_size
 
 
-def state_bytes(caches: LayerCaches, num_tokens: int) -> int:
+def state_bytes(caches: LayerCaches, num_tokens: int, num_ranks: int = 1) -> int:
     """Bytes of one request's whole state for a prompt of `num_tokens` tokens (what a writer
-    can tell its store up front, so one region holds it all)."""
+    can tell its store up front, so one region holds it all). `num_ranks`: the caches are one
+    tensor-parallel rank's of so many, each exporting its share of the KDA heads."""
     mla = sum(kv.shape[1] * kv.element_size() * num_tokens for kv in caches.mla_kv.values())
     kda = sum(
         t[0].numel() * t.element_size() for t in (*caches.kda_conv.values(), *caches.kda_recurrent.values())
     )
-    return mla + kda
+    return mla + kda * num_ranks
 
 
 def extract_mla_rows(

@@ -1,0 +1,90 @@
+"""Tensor parallelism in a real deployment (local Ray, real actors, gRPC, HTTP, the official openai
+client): a prefill pool at tensor_parallel 2 handing off to a decode pool at 1, and the reverse, give
+the offline engine's greedy tokens; each replica reserves a bundle per rank; and a rank killed with
+SIGKILL makes its worker unhealthy, so the controller restarts the worker whole and it serves again."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from deploy.launcher import run_cluster
+from splitserve import LLM, SamplingParams
+from splitserve.tiny_model import make_tiny_model
+from tests.e2e.helpers import assert_idle, cluster_config, complete, openai_client, worker_stats
+
+NUM_NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tp-e2e-model"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(26)
+    return [[rng.randrange(3, 2000) for _ in range(n)] for n in (1, 9, 40, 130)]
+
+
+@pytest.fixture(scope="module")
+def offline_tokens(model_path, prompts):
+    llm = LLM(model=str(model_path), max_model_len=4096)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+
+
+def _serve(cluster, prompts):
+    client = openai_client(cluster.gateway_url)
+    params = {"max_tokens": NUM_NEW_TOKENS, "temperature": 0.0}
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: complete(client, p, params), prompts))
+
+
+def _config(model_path, prefill_tp: int, decode_tp: int):
+    pools = {"num_cpus": 0.5, "kv_cache_memory_bytes": "32MiB", "max_num_seqs": 8}
+    return cluster_config(
+        model_path,
+        "disaggregated",
+        prefill={**pools, "tensor_parallel": prefill_tp},
+        decode={**pools, "tensor_parallel": decode_tp},
+    )
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
+def test_prefill_and_decode_at_different_widths_serve_the_offline_tokens(
+    local_ray, model_path, prompts, offline_tokens, prefill_tp, decode_tp
+):
+    with run_cluster(_config(model_path, prefill_tp, decode_tp)) as cluster:
+        pools = cluster.status()["pools"]
+        assert (pools["prefill"]["tensor_parallel"], pools["decode"]["tensor_parallel"]) == (
+            prefill_tp,
+            decode_tp,
+        )
+        for name, size in (("prefill", prefill_tp), ("decode", decode_tp)):
+            assert len(worker_stats(cluster, name, 0)["rank_pids"]) == size - 1
+        assert _serve(cluster, prompts) == offline_tokens
+        assert_idle(cluster)
+        if decode_tp == 2:
+            _a_killed_rank_restarts_its_worker_whole(cluster, prompts, offline_tokens)
+
+
+def _a_killed_rank_restarts_its_worker_whole(cluster, prompts, offline_tokens):
+    (rank_pid,) = worker_stats(cluster, "decode", 0)["rank_pids"]
+    os.kill(rank_pid, signal.SIGKILL)
+    deadline_s = time.monotonic() + 120
+    while True:  # unhealthy at the next probe, then restarted: a new rank process, healthy again
+        decode = cluster.status()["pools"]["decode"]
+        if decode["restarts"] >= 1 and decode["healthy"]:
+            break
+        assert time.monotonic() < deadline_s, f"the decode worker was not restarted whole: {decode}"
+        time.sleep(0.2)
+    (new_pid,) = worker_stats(cluster, "decode", 0)["rank_pids"]
+    assert new_pid != rank_pid
+    assert _serve(cluster, prompts) == offline_tokens
+    assert_idle(cluster)
