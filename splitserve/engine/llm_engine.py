@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,12 +28,13 @@ from splitserve.engine.parallel.commands import (
     AdmitTransferred,
     FinishRequest,
     PromptLogits,
+    ReadTransferred,
     ReserveTransfer,
     Step,
     WriteTransferred,
 )
 from splitserve.engine.parallel.group import SINGLE, TensorParallel
-from splitserve.engine.parallel.handoff import DriverExports, FollowerExports, ShardingSink
+from splitserve.engine.parallel.handoff import DriverExports, FollowerExports, ShardingSink, StoreRead
 from splitserve.engine.parallel.ranks import RankProcesses, rank_config
 from splitserve.engine.parallel_sampling import SampleForker, SampleStart, make_samples
 from splitserve.engine.prefix_cache import ImportedPrefix, PrefixCacheStats, PrefixEvent, RetainedPrefix
@@ -156,6 +160,9 @@ class LLMEngine:
         num_heads = self.model_config.linear_num_heads
         self.driver_exports = DriverExports(tp, num_heads) if tp.size > 1 and tp.rank == 0 else None
         self.follower_exports = FollowerExports(tp, num_heads) if tp.rank > 0 else None
+        self.rank_reads: Any = None  # a rank's own store reads (worker/rank_reads.py), made on the first
+        self._read_on_ranks: set[str] = set()  # rank 0: reservations every rank reads itself
+        self.num_forwarded_pieces = 0  # rank 0: pieces it cut for the other ranks (none where they read)
         self._arrivals = itertools.count()
         self.warm_up = warm_up_engine(self, load_start_s)  # compiles, autotunes before the first request
         logger.info(
@@ -326,10 +333,15 @@ class LLMEngine:
         forward = None
         if self.ranks is not None:  # the same room on every rank; the reader's pieces cut for each
             self.ranks.send(ReserveTransfer(request_id, num_prompt_tokens, num_samples))
-            ranks = self.ranks
-            forward = lambda rank, state: ranks.send_to(rank, WriteTransferred(request_id, state))  # noqa: E731
+            forward = partial(self._forward_piece, request_id)
         self._sinks[request_id] = ShardingSink(local, self.tp, self.model_config.linear_num_heads, forward)
         return True
+
+    def _forward_piece(self, request_id: str, rank: int, state: LayerState) -> None:
+        """A piece written here, cut to `rank`'s heads, to that rank (the reader's thread)."""
+        assert self.ranks is not None
+        self.ranks.send_to(rank, WriteTransferred(request_id, state))
+        self.num_forwarded_pieces += 1
 
     def transfer_sink(self, request_id: str) -> ShardingSink:
         """Where the state of a reservation is written, from any thread (see `TransferSink`)."""
@@ -337,6 +349,16 @@ class LLMEngine:
         if sink is None:
             raise KeyError(f"no reservation for request {request_id!r}")
         return sink
+
+    def read_on_ranks(self, request_id: str, source: StoreRead) -> None:
+        """A tensor-parallel engine's other ranks read the reservation's state from `source`
+        themselves, each its heads; this rank's sink then keeps its own heads and forwards none.
+        Call before the first piece is written here (nothing to do with one rank)."""
+        if self.ranks is None:
+            return
+        self.transfer_sink(request_id).own_heads_only()
+        self.ranks.send(ReadTransferred(request_id, source))
+        self._read_on_ranks.add(request_id)
 
     def write_transferred_state(self, request_id: str, state: LayerState) -> None:
         """Scatter one arriving piece into the room `reserve_transfer` held (any thread)."""
@@ -356,13 +378,25 @@ class LLMEngine:
 
         `output_token_ids` (decode failover): tokens generated before `first_token_id`; the
         reserved state covers prompt + these, and `first_token_id` is output token len(these)."""
-        if self.ranks is not None:  # every piece was forwarded before: each rank's sink is complete
-            self.ranks.send(
-                AdmitTransferred(request_id, list(prompt_token_ids), params, first_token_id, output_token_ids)
+        if self.ranks is not None:  # every piece was forwarded before, or each rank reads its own
+            command = AdmitTransferred(
+                request_id, list(prompt_token_ids), params, first_token_id, output_token_ids
             )
+            self._admit_on_ranks(command)
         return self._admit_transferred(
             request_id, prompt_token_ids, params, first_token_id, first_logprobs, output_token_ids
         )
+
+    def _admit_on_ranks(self, command: AdmitTransferred) -> None:
+        """Admit on every other rank; where they read the state themselves, wait until each has
+        (the caller releases the stored key after this)."""
+        assert self.ranks is not None
+        ranks_read = command.request_id in self._read_on_ranks
+        self._read_on_ranks.discard(command.request_id)
+        self.ranks.send(dataclasses.replace(command, ranks_read=ranks_read))
+        if ranks_read:
+            for rank in range(1, self.tp.size):
+                self.ranks.receive(rank)
 
     def _admit_transferred(
         self,
@@ -415,7 +449,7 @@ class LLMEngine:
             room = "no reservation" if reserved is None else f"room for {1 + len(reserved.fork_slots)}"
             raise ValueError(f"{len(live)} samples of {request_id} to decode; {room} was reserved")
         if self.ranks is not None:
-            self.ranks.send(
+            self._admit_on_ranks(
                 AdmitTransferred(request_id, list(prompt_token_ids), params, 0, starts=list(starts))
             )
         head = starts[live[0]]
@@ -500,6 +534,7 @@ class LLMEngine:
         self._abort(request_id)
 
     def _abort(self, request_id: str) -> None:
+        self._read_on_ranks.discard(request_id)
         sink = self._sinks.pop(request_id, None)
         if sink is not None:
             sink.close()  # waits out a piece being written, so its room is freed only after

@@ -86,6 +86,8 @@ class WorkerActorBase:
             **{f"swap_{k}": v for k, v in dataclasses.asdict(snap.swap).items()},
             # a tensor-parallel worker's other ranks, processes beside this actor (empty with one rank)
             "rank_pids": [proc.pid for proc in ranks.procs] if (ranks := self.loop.engine.ranks) else [],
+            # handed-off pieces rank 0 cut and sent to its other ranks (0 where each reads the store)
+            "rank_forwarded_pieces": self.loop.engine.num_forwarded_pieces,
         }
 
     def shutdown(self, drain_timeout_s: float = 0.0) -> int:

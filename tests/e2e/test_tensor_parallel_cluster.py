@@ -70,6 +70,8 @@ def test_prefill_and_decode_at_different_widths_serve_the_offline_tokens(
             assert len(worker_stats(cluster, name, 0)["rank_pids"]) == size - 1
         assert _serve(cluster, prompts) == offline_tokens
         assert_idle(cluster)
+        # every decode rank read its heads from the store itself: rank 0 forwarded no piece
+        assert worker_stats(cluster, "decode", 0)["rank_forwarded_pieces"] == 0
         if decode_tp == 2:
             _a_killed_rank_restarts_its_worker_whole(cluster, prompts, offline_tokens)
 

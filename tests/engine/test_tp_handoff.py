@@ -89,6 +89,8 @@ def test_a_prefill_at_one_width_hands_off_to_a_decode_at_another(
         outputs.append(decode.admit_transferred(rid, prompt, PARAMS, firsts[i]))
     _run(decode)
     assert [r.output_token_ids for r in outputs] == reference
+    # pieces written to rank 0 reach the other rank cut to its heads (no reads of their own here)
+    assert (decode.num_forwarded_pieces > 0) == (decode_size > 1)
 
 
 def test_a_reservation_aborted_mid_transfer_leaves_the_ranks_in_step(engines, reference):

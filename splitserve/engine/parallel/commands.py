@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from splitserve.engine.parallel.handoff import StoreRead
 from splitserve.engine.parallel_sampling import SampleStart
 from splitserve.engine.state_transfer import LayerState
 from splitserve.sampling_params import SamplingParams
@@ -31,6 +32,10 @@ class Command:
 
     # a failure of this call on a rank is a fault of that rank, not the caller's bad input
     must_succeed = False
+
+    def answers(self) -> bool:
+        """Whether the rank tells rank 0 it applied the call (rank 0 waits for it)."""
+        return False
 
     def apply(self, engine: LLMEngine) -> None:
         raise NotImplementedError
@@ -88,7 +93,25 @@ class WriteTransferred(Command):
 
 
 @dataclass(frozen=True)
+class ReadTransferred(Command):
+    """Read a reservation's state from the store, this rank's heads of it (worker/rank_reads.py)."""
+
+    request_id: str
+    source: StoreRead
+
+    def apply(self, engine: LLMEngine) -> None:
+        if engine.rank_reads is None:
+            from splitserve.worker.rank_reads import RankReads  # gRPC: only where a store is read
+
+            engine.rank_reads = RankReads()
+        engine.rank_reads.start(self.request_id, engine.transfer_sink(self.request_id), self.source)
+
+
+@dataclass(frozen=True)
 class AdmitTransferred(Command):
+    """Admission after every piece arrived (`ranks_read`: once this rank's own read is whole; it
+    then answers rank 0, which holds the key until every rank has read it)."""
+
     must_succeed = True
     request_id: str
     prompt_token_ids: list[int]
@@ -96,8 +119,14 @@ class AdmitTransferred(Command):
     first_token_id: int
     output_token_ids: list[int] | None = None
     starts: list[SampleStart] | None = None  # several samples: `admit_transferred_samples`
+    ranks_read: bool = False
+
+    def answers(self) -> bool:
+        return self.ranks_read
 
     def apply(self, engine: LLMEngine) -> None:
+        if engine.rank_reads is not None:
+            engine.rank_reads.wait(self.request_id)
         if self.starts is not None:
             engine.admit_transferred_samples(self.request_id, self.prompt_token_ids, self.params, self.starts)
             return
@@ -116,6 +145,8 @@ class AbortRequest(Command):
 
     def apply(self, engine: LLMEngine) -> None:
         engine.abort_request(self.request_id)
+        if engine.rank_reads is not None:
+            engine.rank_reads.cancel(self.request_id)
 
 
 @dataclass(frozen=True)

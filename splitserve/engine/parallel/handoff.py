@@ -6,17 +6,19 @@ does; rank 0 exports its share, naming its heads, and after the step the share o
 per prefill rank and nobody concatenates them. MLA rows are the latent every rank holds: rank 0
 alone exports them.
 
-Decode at width b (`ShardingSink`): rank 0 reads the key; each KDA piece is cut or joined into
-the heads each decode rank owns (`heads.assemble`: only the overlap of each piece is copied) as
-soon as the pieces that landed cover them, and handed to that rank (its own sink on rank 0,
-forwarded to the others); MLA rows go to every rank whole. A width-1 engine reading a TP prefill's
-pieces assembles its (every) head the same way.
+Decode at width b (`ShardingSink`): each KDA piece is cut or joined into the heads a decode rank
+owns (`heads.assemble`: only the overlap of each piece is copied) as soon as the pieces that landed
+cover them; MLA rows go to every rank whole. In a cluster every rank reads the key from the store
+itself (`read_on_ranks`, splitserve/worker/rank_reads.py) and keeps its own heads; pieces written to
+rank 0 otherwise (a caller holding them, a resume from stored state) are forwarded to each rank cut
+to its heads. A width-1 engine reading a TP prefill's pieces assembles its (every) head the same way.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from splitserve.engine.parallel.group import TensorParallel
@@ -26,6 +28,20 @@ from splitserve.state import HeadRange, StateKind
 
 if TYPE_CHECKING:
     from splitserve.engine.transfer_sink import TransferSink
+
+
+@dataclass(frozen=True)
+class StoreRead:
+    """Where a reservation's state is, for ranks that read it themselves: the store, the key, how
+    long to wait for it, whether the store's arena may be mapped (None: where it shares the node),
+    and the deployment's internal token."""
+
+    address: str
+    key: str
+    timeout_s: float
+    shared_memory: bool | None = None
+    cluster_token: str | None = field(default=None, repr=False)  # never in a log line
+
 
 Export = Callable[[LayerState], None]
 Forward = Callable[[int, LayerState], None]  # (rank, its piece)
@@ -117,6 +133,13 @@ class ShardingSink:
     @property
     def complete(self) -> bool:
         return self.local.complete
+
+    def own_heads_only(self) -> None:
+        """The other ranks read the state themselves: take this rank's heads, forward nothing."""
+        with self._lock:
+            self._forward = None
+            self._ranks = [self._tp.rank]
+            self._wants = {self._tp.rank: self._wants[self._tp.rank]}
 
     def missing(self) -> str:
         return self.local.missing()

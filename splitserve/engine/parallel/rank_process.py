@@ -55,6 +55,8 @@ def run_rank(conn: Connection) -> None:
                 raise
             logger.debug("rank %d: %s failed as it did on the driver", setup.rank, command, exc_info=True)
         engine.take_prefix_events()  # nobody routes by a follower's events: drop them
+        if command.answers():
+            conn.send_bytes(pickle.dumps(True))
         exports = engine.follower_exports
         if exports is not None and exports.pieces:  # rank 0 exported in this step too: it waits for these
             conn.send_bytes(pickle.dumps(exports.take()))
