@@ -1,14 +1,14 @@
 """Tensor parallelism in a real deployment (local Ray, real actors, gRPC, HTTP, the official openai
 client): a prefill pool at tensor_parallel 2 handing off to a decode pool at 1, and the reverse, give
-the offline engine's greedy tokens; each replica reserves a bundle per rank; and a rank killed with
-SIGKILL makes its worker unhealthy, so the controller restarts the worker whole and it serves again."""
+the offline engine's greedy tokens, each decode rank reading its heads of the state from the store;
+and a decode rank SIGKILLed mid-stream makes its worker unhealthy: the controller restarts the worker
+whole and its streams fail over, ending with the uninterrupted tokens."""
 
 from __future__ import annotations
 
 import os
 import random
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -17,6 +17,7 @@ from deploy.launcher import run_cluster
 from splitserve import LLM, SamplingParams
 from splitserve.tiny_model import make_tiny_model
 from tests.e2e.helpers import assert_idle, cluster_config, complete, openai_client, worker_stats
+from tests.e2e.test_decode_failover import GREEDY, NUM_TOKENS, Streams, _failovers
 
 NUM_NEW_TOKENS = 8
 
@@ -73,20 +74,29 @@ def test_prefill_and_decode_at_different_widths_serve_the_offline_tokens(
         # every decode rank read its heads from the store itself: rank 0 forwarded no piece
         assert worker_stats(cluster, "decode", 0)["rank_forwarded_pieces"] == 0
         if decode_tp == 2:
-            _a_killed_rank_restarts_its_worker_whole(cluster, prompts, offline_tokens)
+            _a_killed_rank_restarts_its_worker_whole(cluster, prompts, model_path)
 
 
-def _a_killed_rank_restarts_its_worker_whole(cluster, prompts, offline_tokens):
+def _a_killed_rank_restarts_its_worker_whole(cluster, prompts, model_path):
+    """SIGKILL of the decode worker's rank while 4 greedy streams run on it: the worker restarts whole
+    (a new rank process), and the streams fail over onto it and end with the uninterrupted tokens."""
+    url = cluster.gateway_url
+    resumed_before = _failovers(url, "resumed")
     (rank_pid,) = worker_stats(cluster, "decode", 0)["rank_pids"]
+    streams = Streams(url, prompts, GREEDY)
+    streams.wait_until_all_have(3)  # every stream is decoding on the TP worker, none has ended
     os.kill(rank_pid, signal.SIGKILL)
-    deadline_s = time.monotonic() + 120
-    while True:  # unhealthy at the next probe, then restarted: a new rank process, healthy again
-        decode = cluster.status()["pools"]["decode"]
-        if decode["restarts"] >= 1 and decode["healthy"]:
-            break
-        assert time.monotonic() < deadline_s, f"the decode worker was not restarted whole: {decode}"
-        time.sleep(0.2)
+    results = streams.finish()
+    assert not [s.error for s in results if s.error]
+    llm = LLM(model=str(model_path), max_model_len=4096)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    expected = [
+        o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    ]
+    assert [s.token_ids for s in results] == expected
+    assert _failovers(url, "resumed") > resumed_before  # the kill landed on running streams
+    decode = cluster.status()["pools"]["decode"]
+    assert decode["restarts"] == 1 and decode["healthy"], decode
     (new_pid,) = worker_stats(cluster, "decode", 0)["rank_pids"]
     assert new_pid != rank_pid
-    assert _serve(cluster, prompts) == offline_tokens
     assert_idle(cluster)
