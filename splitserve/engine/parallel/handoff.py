@@ -160,14 +160,18 @@ class ShardingSink:
                 return
             pieces, served = self._pending.setdefault((state.layer_id, state.kind), ([], set()))
             pieces.append(state)
-            for rank, want in self._wants.items():
-                if rank in served or sum(_overlap(p, want) for p in pieces) < want.end - want.start:
-                    continue
-                served.add(rank)
-                exact = state.heads == want or (
-                    state.heads is None and want.end - want.start == want.num_heads
-                )
-                self._deliver(rank, state if exact else assemble(pieces, want))
+            try:
+                for rank, want in self._wants.items():
+                    if rank in served or sum(_overlap(p, want) for p in pieces) < want.end - want.start:
+                        continue
+                    exact = state.heads == want or (
+                        state.heads is None and want.end - want.start == want.num_heads
+                    )
+                    self._deliver(rank, state if exact else assemble(pieces, want))
+                    served.add(rank)
+            except BaseException:
+                pieces.pop()  # the piece (appended last) does not fit: refused, not kept
+                raise
             if len(served) == len(self._wants):
                 del self._pending[(state.layer_id, state.kind)]
 
