@@ -637,8 +637,10 @@ class LLMEngine:
             if s.request.first_scheduled_s is None:
                 s.request.first_scheduled_s = now
         result = self.runner.execute(output.scheduled)
-        if self.driver_exports is not None and self.driver_exports.take_count():
-            self._relay_follower_exports(output.scheduled)
+        if self.driver_exports is not None and (calls := self.driver_exports.take_calls()):
+            assert self.ranks is not None  # rank 0 exported KDA shares: so did every rank, in order
+            for rank in range(1, self.tp.size):
+                self.driver_exports.relay(calls, self.ranks.receive(rank), rank)
         self.scheduler.postprocess(output, result.token_ids)
         drawn = self._fork_samples(output.scheduled, result.token_ids)  # before any stop frees a prompt
         updates = []
@@ -670,14 +672,6 @@ class LLMEngine:
         if self.replay is not None:  # after the stops: a finished request publishes nothing more
             self.replay.after_step([s.request for s in output.scheduled])
         return updates
-
-    def _relay_follower_exports(self, scheduled: list[ScheduledRequest]) -> None:
-        """Rank 0 exported KDA shares this step: so did every rank; pass theirs to the same exports."""
-        assert self.ranks is not None
-        exports = {s.request.request_id: s.request.export for s in scheduled if s.request.export is not None}
-        for rank in range(1, self.tp.size):
-            for request_id, state in self.ranks.receive(rank):
-                exports[request_id](state)  # type: ignore[misc]
 
     def _fork_samples(self, scheduled: list[ScheduledRequest], token_ids: dict[str, int]) -> list[Request]:
         """The samples that drew their first token this step from the prompt of one that was

@@ -1,7 +1,7 @@
 """A prompt's state handed between engines of different tensor-parallel widths: a prefill at width a
 exports each KDA state as one piece per rank (naming its heads) and the MLA rows once; a decode at
 width b takes them through its reservation, each rank getting exactly its heads, and greedy decoding
-gives the tokens of one engine that computed it all. Pieces arrive in any order (a store interleaves
+(and seeded samples forked on admission) gives the tokens of one engine that computed it all. Pieces arrive in any order (a store interleaves
 ranks' objects), one request may be aborted mid-transfer, and the ranks stay in step."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pytest
 
 from splitserve import SamplingParams
 from splitserve.engine.llm_engine import HANDOFF, LLMEngine
+from splitserve.engine.parallel_sampling import SampleStart
 from splitserve.engine.state_transfer import LayerState
 from splitserve.engine_config import EngineConfig
 from splitserve.state import HeadRange, StateKind
@@ -110,3 +111,30 @@ def test_a_reservation_aborted_mid_transfer_leaves_the_ranks_in_step(engines, re
     request = two.admit_transferred("again", PROMPTS[1], PARAMS, firsts[1])
     _run(two)
     assert request.output_token_ids == reference[1]
+
+
+SEEDED = SamplingParams(n=3, temperature=0.9, top_p=0.9, seed=41, max_tokens=6, ignore_eos=True)
+
+
+@pytest.mark.parametrize("prefill_size,decode_size", [(2, 1), (1, 2)])
+def test_samples_of_one_prompt_hand_off_across_widths(engines, prefill_size, decode_size):
+    """n = 3 seeded samples: one prefill exports the prompt's state once (the samples' own engine
+    ids on every rank), the decode forks it on admission; the samples equal one engine's run."""
+    prefill, decode, one = engines[prefill_size], engines[decode_size], engines[1]
+    prompt, rid = PROMPTS[1], f"n-p{prefill_size}d{decode_size}"
+    whole = one.add_request(f"{rid}-ref", prompt, SEEDED)
+    reference_samples = [whole, *whole.samples_to_fork]
+    _run(one)
+    expected = [r.output_token_ids for r in reference_samples]
+    states: list[LayerState] = []
+    first = prefill.add_request(rid, prompt, SEEDED, export=states.append)
+    samples = [first, *first.samples_to_fork]
+    _run(prefill)
+    assert [s.finish_reason for s in samples] == [HANDOFF] * 3
+    assert decode.reserve_transfer(rid, len(prompt), num_samples=3)
+    for piece in states:
+        decode.write_transferred_state(rid, piece)
+    starts = [SampleStart(s.output_token_ids[0]) for s in samples]
+    admitted = decode.admit_transferred_samples(rid, prompt, SEEDED, starts)
+    _run(decode)
+    assert [r.output_token_ids for r in admitted] == expected

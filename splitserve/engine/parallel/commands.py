@@ -55,7 +55,7 @@ class AddRequest(Command):
 
     def apply(self, engine: LLMEngine) -> None:
         exports = engine.follower_exports
-        export = exports.export_for(self.request_id) if self.export_to_driver and exports else None
+        export = exports.export if self.export_to_driver and exports else None
         engine.add_request(
             self.request_id,
             self.prompt_token_ids,

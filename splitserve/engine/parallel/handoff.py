@@ -64,41 +64,55 @@ def with_heads(state: LayerState, heads: HeadRange) -> LayerState:
 
 class DriverExports:
     """Rank 0's side of a tensor-parallel prefill's export: its own KDA shares named by its heads,
-    and a count of them, so the step knows whether the other ranks have shares to send."""
+    and which export took each this step, in order. Every rank extracts the same shares in the same
+    order, so the i-th share a rank sends back belongs to the i-th export here (no request ids:
+    samples and their ids need not match)."""
 
     def __init__(self, tp: TensorParallel, num_heads: int) -> None:
         self.heads = rank_heads(num_heads, tp.rank, tp.size)
-        self.num_kda_pieces = 0  # this step's
+        self.calls: list[tuple[Export, int, StateKind]] = []  # this step's KDA exports
 
     def wrap(self, export: Export) -> Export:
         def rank0_export(state: LayerState) -> None:
             if state.kind is not StateKind.MLA_KV and state.heads is None:
-                self.num_kda_pieces += 1
+                self.calls.append((export, state.layer_id, state.kind))
             export(with_heads(state, self.heads))
 
         return rank0_export
 
-    def take_count(self) -> int:
-        count, self.num_kda_pieces = self.num_kda_pieces, 0
-        return count
+    def take_calls(self) -> list[tuple[Export, int, StateKind]]:
+        calls, self.calls = self.calls, []
+        return calls
+
+    @staticmethod
+    def relay(calls: list[tuple[Export, int, StateKind]], pieces: list[LayerState], rank: int) -> None:
+        """Hand rank `rank`'s shares to the exports that took rank 0's, in order."""
+        if len(pieces) != len(calls):
+            raise RuntimeError(
+                f"rank {rank} exported {len(pieces)} KDA shares this step; rank 0 {len(calls)}"
+            )
+        for (export, layer, kind), piece in zip(calls, pieces):
+            if (piece.layer_id, piece.kind) != (layer, kind):
+                raise RuntimeError(
+                    f"rank {rank} exported layer {piece.layer_id} {piece.kind} where rank 0 {layer} {kind}"
+                )
+            export(piece)
 
 
 class FollowerExports:
     """A rank > 0's KDA shares of its prefill-only requests, kept until the step ends and sent to
-    rank 0 (the rank's copy of an exporting request exports only these: MLA rows are rank 0's)."""
+    rank 0 in the order it extracted them (the rank's copy of an exporting request exports only
+    these: MLA rows are rank 0's)."""
 
     def __init__(self, tp: TensorParallel, num_heads: int) -> None:
         self.heads = rank_heads(num_heads, tp.rank, tp.size)
-        self.pieces: list[tuple[str, LayerState]] = []
+        self.pieces: list[LayerState] = []
 
-    def export_for(self, request_id: str) -> Export:
-        def follower_export(state: LayerState) -> None:
-            if state.kind is not StateKind.MLA_KV:
-                self.pieces.append((request_id, with_heads(state, self.heads)))
+    def export(self, state: LayerState) -> None:
+        if state.kind is not StateKind.MLA_KV:
+            self.pieces.append(with_heads(state, self.heads))
 
-        return follower_export
-
-    def take(self) -> list[tuple[str, LayerState]]:
+    def take(self) -> list[LayerState]:
         pieces, self.pieces = self.pieces, []
         return pieces
 
