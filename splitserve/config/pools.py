@@ -30,9 +30,9 @@ class PoolConfig(Section):
 
     `tensor_parallel` N > 1 runs each replica as N ranks (processes joined by torch.distributed:
     heads, MLP columns and the vocabulary split over them; engine/parallel/), with
-    `expert_parallel` spreading the routed experts over them whole. `num_cpus` and `num_gpus` are
-    then per rank: a replica reserves one bundle of them per rank, all on one node (the ranks are
-    processes of the worker's node), so `placement` packs (PACK or STRICT_PACK).
+    `expert_parallel` spreading the routed experts over them whole. `num_cpus` is then per rank: a
+    replica reserves one bundle per rank, all on one node (the ranks are processes of the worker's
+    node), so `placement` packs (PACK or STRICT_PACK); such a pool runs on CPUs only for now.
     """
 
     replicas: int = Field(default=1, ge=0)
@@ -96,6 +96,12 @@ class PoolConfig(Section):
             raise ValueError(
                 f"placement {self.placement} with tensor_parallel {self.tensor_parallel}: a replica's ranks "
                 "are processes of one node, so its bundles must be packed; use PACK or STRICT_PACK"
+            )
+        if self.tensor_parallel > 1 and self.num_gpus > 0:
+            raise ValueError(
+                f"tensor_parallel {self.tensor_parallel} with num_gpus: a replica's ranks are processes "
+                "beside the worker's actor, which Ray shows its own GPU only, so rank r cannot reach "
+                "cuda:r; tensor-parallel pools run on CPUs (num_gpus: 0) until ranks are Ray actors"
             )
         if self.tensor_parallel > 1 and self.preemption_mode == "swap":
             raise ValueError(

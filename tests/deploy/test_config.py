@@ -214,6 +214,10 @@ def test_tensor_and_expert_parallel_per_pool_reach_the_engines(tmp_path):
         ),
         ("decode: {tensor_parallel: 2, replay_window: 8}", "decode: replay_window with tensor_parallel > 1"),
         (
+            "decode: {tensor_parallel: 2, num_gpus: 1}",
+            "decode: tensor_parallel 2 with num_gpus: a replica's ranks",
+        ),
+        (
             "prefill: {expert_parallel: true}",
             "prefill: expert_parallel spreads experts over a replica's ranks",
         ),
