@@ -1,8 +1,9 @@
 """Tensor parallelism in a real deployment (local Ray, real actors, gRPC, HTTP, the official openai
-client): a prefill pool at tensor_parallel 2 handing off to a decode pool at 1, and the reverse, give
-the offline engine's greedy tokens, each decode rank reading its heads of the state from the store;
-and a decode rank SIGKILLed mid-stream makes its worker unhealthy: the controller restarts the worker
-whole and its streams fail over, ending with the uninterrupted tokens."""
+client): a prefill pool at tensor_parallel 2 handing off to a decode pool at 1, the reverse, and both at
+2 with the prefill's experts spread over its ranks (expert_parallel), give the offline engine's greedy
+tokens, each decode rank reading its heads of the state from the store; and a decode rank SIGKILLed
+mid-stream makes its worker unhealthy: the controller restarts the worker whole and its streams fail
+over, ending with the uninterrupted tokens."""
 
 from __future__ import annotations
 
@@ -47,21 +48,21 @@ def _serve(cluster, prompts):
         return list(pool.map(lambda p: complete(client, p, params), prompts))
 
 
-def _config(model_path, prefill_tp: int, decode_tp: int):
+def _config(model_path, prefill_tp: int, decode_tp: int, expert_parallel: bool = False):
     pools = {"num_cpus": 0.5, "kv_cache_memory_bytes": "32MiB", "max_num_seqs": 8}
     return cluster_config(
         model_path,
         "disaggregated",
-        prefill={**pools, "tensor_parallel": prefill_tp},
+        prefill={**pools, "tensor_parallel": prefill_tp, "expert_parallel": expert_parallel},
         decode={**pools, "tensor_parallel": decode_tp},
     )
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
-def test_prefill_and_decode_at_different_widths_serve_the_offline_tokens(
-    local_ray, model_path, prompts, offline_tokens, prefill_tp, decode_tp
+@pytest.mark.parametrize("prefill_tp,decode_tp,expert_parallel", [(2, 1, False), (1, 2, False), (2, 2, True)])
+def test_tensor_parallel_pools_serve_the_offline_tokens(
+    local_ray, model_path, prompts, offline_tokens, prefill_tp, decode_tp, expert_parallel
 ):
-    with run_cluster(_config(model_path, prefill_tp, decode_tp)) as cluster:
+    with run_cluster(_config(model_path, prefill_tp, decode_tp, expert_parallel)) as cluster:
         pools = cluster.status()["pools"]
         assert (pools["prefill"]["tensor_parallel"], pools["decode"]["tensor_parallel"]) == (
             prefill_tp,
@@ -73,7 +74,7 @@ def test_prefill_and_decode_at_different_widths_serve_the_offline_tokens(
         assert_idle(cluster)
         # every decode rank read its heads from the store itself: rank 0 forwarded no piece
         assert worker_stats(cluster, "decode", 0)["rank_forwarded_pieces"] == 0
-        if decode_tp == 2:
+        if decode_tp == 2 and not expert_parallel:  # once is enough
             _a_killed_rank_restarts_its_worker_whole(cluster, prompts, model_path)
 
 
