@@ -91,7 +91,8 @@ class Pool:
             "desired_replicas": self.replicas,
             "num_outdated": len(self.outdated()),
             "placement": self.spec.placement,
-            "bundle": self.spec.bundle,
+            "bundle": self.spec.bundle,  # per rank
+            "tensor_parallel": self.spec.num_ranks,
             "node_labels": self.spec.labels,
             "addresses": self.healthy_addresses,
             "num_healthy": sum(m.healthy for m in self.members),

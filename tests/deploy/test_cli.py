@@ -45,13 +45,13 @@ def test_config_check_prints_the_validated_config(tmp_path, capsys):
 
 def test_config_check_prints_the_one_clear_error(tmp_path, capsys):
     path = tmp_path / "bad.yaml"
-    path.write_text("decode: {tensor_parallel: 4}\n")
+    path.write_text("decode: {tensor_parallel: 4, placement: STRICT_SPREAD}\n")
     assert main(["config", "check", str(path)]) == 1
     out, err = capsys.readouterr()
     assert out == ""
     assert err.strip() == (
-        f"splitserve config check: {path}: decode.tensor_parallel: tensor_parallel > 1 is not "
-        "supported yet (got 4); scale out with replicas"
+        f"splitserve config check: {path}: decode: placement STRICT_SPREAD with tensor_parallel 4: a "
+        "replica's ranks are processes of one node, so its bundles must be packed; use PACK or STRICT_PACK"
     )
 
 

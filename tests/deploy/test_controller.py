@@ -262,6 +262,23 @@ def test_resize_beyond_the_cluster_fails_at_once_and_changes_nothing(cluster, re
     assert [e[1] for e in events(registry, "start")].count("prefill") == 1
 
 
+def test_a_tensor_parallel_pool_reserves_a_bundle_per_rank(registry):
+    config = small_config(prefill={"num_cpus": 0.25, "tensor_parallel": 2})
+    with run_cluster(config, actor_classes=FAKE_CLASSES) as handle:
+        assert sorted(len(g["bundles"]) for g in live_groups()) == [1, 2]  # decode's, prefill's 2 ranks
+        assert handle.status()["pools"]["prefill"]["tensor_parallel"] == 2
+        # gateway, store 0.25 each, prefill 2 x 0.25, decode 0.5: two more replicas need 4 bundles
+        message = (
+            r"pool 'prefill': cannot reserve 2 \(2 ranks each\) x \{'CPU': 0.25\} \(PACK\): they need "
+            r"CPU 1, and the Ray cluster has CPU 2 in all, of which the rest of this deployment takes 1.5"
+        )
+        with pytest.raises(PlacementError, match=message):
+            handle.resize("prefill", 3)
+        handle.resize("prefill", 2)  # one more fits: its own group of 2 bundles
+        assert sorted(len(g["bundles"]) for g in live_groups()) == [1, 2, 2]
+        assert handle.status()["pools"]["prefill"]["replicas"] == 2
+
+
 def test_a_second_deployment_in_the_same_ray_cluster_is_refused(cluster):
     with pytest.raises(ClusterError, match="already running"):
         run_cluster(small_config(), actor_classes=FAKE_CLASSES)
