@@ -34,8 +34,9 @@ class LedgerActor:
         return self._ledger
 
     async def start(self, host: str | None = None, port: int | None = None) -> str:
-        """Ready to serve; returns its epoch (what a controller records as its address)."""
-        return self.ledger.epoch
+        """Ready to serve; returns its epoch's first 12 digits (a controller records them as its
+        address: they change when it is started again)."""
+        return self.ledger.epoch[:12]
 
     async def register(self, gateway: int, held_slots: int, gateway_handle: Any = None) -> str:
         notice = None
@@ -71,6 +72,9 @@ class LedgerActor:
             "num_waiting": ledger.num_waiting,
             "contended": ledger.contended,
         }
+
+    async def stats(self) -> dict[str, Any]:
+        return await self.health()
 
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         return None
