@@ -5,8 +5,8 @@
 # for the base install alone, which is what a GPU-less gateway or store node needs.
 # Where torch is wanted and not installed yet, a build for this machine goes in first, so the
 # engine's permissive `torch>=...` requirement is already met and pip fetches nothing more for it:
-# without a visible NVIDIA GPU, the CPU build from PyTorch's CPU index (PyPI's Linux torch brings
-# the multi-GB CUDA stack); with one, PyPI's build (CUDA 12). SPLITSERVE_TORCH_INDEX_URL picks
+# without a visible NVIDIA GPU, a torch wheel pip finds on this machine (its find-links), else the
+# CPU build from PyTorch's CPU index (PyPI's Linux torch brings the multi-GB CUDA stack); with one, PyPI's build (CUDA 12). SPLITSERVE_TORCH_INDEX_URL picks
 # another index (e.g. https://download.pytorch.org/whl/cu126 for a driver older than PyPI's
 # build wants), SPLITSERVE_TORCH the requirement (default "torch>=2.4").
 set -euo pipefail
@@ -30,7 +30,17 @@ if [ "$wants_torch" = 1 ] && ! python -c "import torch" >/dev/null 2>&1; then
   elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     pip install --quiet "$torch"
   else
-    pip install --quiet --index-url https://download.pytorch.org/whl/cpu "$torch"
+    # A torch wheel already on this machine where pip's configured find-links has one (an
+    # operator's own CPU build, an air-gapped mirror, CI's machine), else PyTorch's CPU index. The
+    # local wheel is installed by its file, so its version is the one taken, not PyPI's newest.
+    wheels="$(mktemp -d)"
+    if pip download --quiet --no-index --no-deps --dest "$wheels" "$torch" >/dev/null 2>&1 \
+      && ls "$wheels"/torch-*.whl >/dev/null 2>&1; then
+      pip install --quiet "$wheels"/torch-*.whl
+    else
+      pip install --quiet --index-url https://download.pytorch.org/whl/cpu "$torch"
+    fi
+    rm -rf "$wheels"
   fi
 fi
 stamp="$venv/.splitserve-installed$extras"

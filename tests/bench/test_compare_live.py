@@ -40,7 +40,7 @@ def write_configs(folder: Path, model_path: Path) -> dict[str, Path]:
     }
     configs = {
         "colocated": {**common, "mode": "colocated", "prefill": {**pools, "replicas": 2}, "decode": {"replicas": 0}},
-        "needs-gpus": {**common, "mode": "disaggregated", "prefill": {**pools, "num_gpus": 4096}, "decode": pools},
+        "needs-gpus": {**common, "mode": "disaggregated", "prefill": {**pools, "replicas": 4096, "num_gpus": 1}, "decode": pools},
         "disaggregated": {**common, "mode": "disaggregated", "prefill": pools, "decode": pools},
     }  # fmt: skip
     paths = {name: folder / f"{name}.yaml" for name in configs}

@@ -24,7 +24,16 @@ def _run_install(tmp_path: Path, *, gpu: bool, **env: str) -> list[str]:
     tools.mkdir()
     log = tmp_path / "pip.log"
     _executable(venv / "bin" / "python", "#!/bin/sh\nexit 1\n")  # `python -c "import torch"` fails
-    _executable(venv / "bin" / "pip", f'#!/bin/sh\necho "$*" >> {log}\n')
+    # `pip download` finds a local wheel only where the test says one lies on the machine
+    _executable(
+        venv / "bin" / "pip",
+        f'#!/bin/sh\necho "$*" >> {log}\n'
+        'if [ "$1" = download ]; then\n'
+        '  [ -n "$LOCAL_TORCH_WHEEL" ] || exit 1\n'
+        '  while [ "$1" != --dest ]; do shift; done\n'
+        '  touch "$2/$LOCAL_TORCH_WHEEL"\n'
+        "fi\n",
+    )
     (venv / "bin" / "activate").write_text(f'PATH="{venv / "bin"}:$PATH"\n')
     if gpu:
         _executable(tools / "nvidia-smi", "#!/bin/sh\necho 'GPU 0: NVIDIA H200'\n")
@@ -40,9 +49,19 @@ def _run_install(tmp_path: Path, *, gpu: bool, **env: str) -> list[str]:
     return log.read_text().splitlines()
 
 
-def test_without_a_gpu_the_cpu_build_comes_from_pytorchs_cpu_index(tmp_path):
-    torch, package = _run_install(tmp_path, gpu=False)
+def test_without_a_gpu_or_a_local_wheel_the_cpu_build_comes_from_pytorchs_cpu_index(tmp_path):
+    looked, torch, package = _run_install(tmp_path, gpu=False)
+    assert looked.startswith("download --quiet --no-index --no-deps --dest ")
     assert torch == f"install --quiet --index-url {CPU_INDEX} torch>=2.4"
+    assert package == f"install --quiet -e {ROOT}[engine]"
+
+
+def test_without_a_gpu_a_local_torch_wheel_is_installed_by_its_file(tmp_path):
+    wheel = "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
+    looked, torch, package = _run_install(tmp_path, gpu=False, LOCAL_TORCH_WHEEL=wheel)
+    assert looked.endswith(" torch>=2.4")
+    assert torch.startswith("install --quiet /") and torch.endswith("/" + wheel)
+    assert CPU_INDEX not in torch
     assert package == f"install --quiet -e {ROOT}[engine]"
 
 
