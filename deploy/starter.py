@@ -175,6 +175,7 @@ class ActorStarter:
                 ray.kill(member.handle, no_restart=True)
             if member.kind == "gateway":
                 self.gateways.forget(member)
+                member.stats = {}  # its own_address was the dead process's
         member.handle, member.healthy = None, False
 
     async def started_at(self, member: Member, host: str, port: int, on_node: str | None = None) -> str:
