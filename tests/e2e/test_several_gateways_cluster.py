@@ -111,6 +111,28 @@ def test_both_processes_answer_on_the_one_port_with_the_offline_engines_tokens(c
     assert sum(counts) == NUM_CONNECTIONS and min(counts) > 0, counts
 
 
+def report_seq(url: str, worker: str) -> float:
+    """The last of `worker`'s prefix events this gateway process applied to its routing index."""
+    return metric_value(url, "splitserve_prefix_report_seq", worker=worker)
+
+
+def test_both_processes_route_by_every_prefix_event_of_the_prefill_worker(cluster):
+    """Neither gateway drains the worker's events from the other: each reads after its own cursor."""
+    urls = own_urls(cluster)
+    (worker,) = cluster.status()["pools"]["prefill"]["addresses"]
+    before = [report_seq(url, worker) for url in urls]
+    prompt = [random.Random(8).randrange(3, 2000) for _ in range(200)]  # three whole prefix units
+    assert greedy(urls[0], prompt, max_tokens=1).status_code == 200  # through the first process only
+
+    def agreed() -> float | None:
+        seqs = [report_seq(url, worker) for url in urls]
+        return (
+            seqs[0] if seqs[0] == seqs[1] and all(s > b for s, b in zip(seqs, before, strict=True)) else None
+        )
+
+    wait_until(agreed, what="both gateways to apply the worker's new prefix events")
+
+
 class HoldingStream:
     """A streamed greedy completion of `HOLD_TOKENS` that keeps its decode slot until `cut()`."""
 
