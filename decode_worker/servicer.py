@@ -176,6 +176,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self._readers[rid] = reader
             # a Decode or Abort for rid cancels it (`_take`); a replaced reader's entry finds it gone
             self._lapse_entries[rid] = self._lapses.add(2 * timeout_s, lambda: self._lapse(rid, reader))
+        if reader.failed:  # it failed before it was registered: its callback found nothing to free
+            self._free_room(reader)
         return reader
 
     def Decode(
@@ -317,8 +319,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         )
 
     def _free_room(self, reader: StateReader) -> None:
-        """The state will never arrive whole: free the room now; Decode still reports why."""
-        self._abort_engine(reader.request_id)
+        """The state will never arrive whole: free the room now; Decode still reports why.
+
+        Only while the reservation is still pending: once a Decode or an Abort took the reader,
+        the taker frees the room itself, and the request id may already name a new request here
+        (the gateway runs the prompt again, e.g. `decode_local` after the prefill's store failed)
+        that an abort by id from this late callback would end silently, its stream left waiting.
+        The abort is queued under the lock, so an Abort or Decode taking the reader meanwhile
+        queues its own work after it."""
+        with self._lock:
+            if self._readers.get(reader.request_id) is not reader:
+                return
+            self._abort_engine(reader.request_id)
         self._release(reader)
 
     def _take(self, rid: str) -> StateReader | None:

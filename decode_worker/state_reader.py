@@ -72,6 +72,11 @@ class StateReader:
         if self.error is not None:
             raise self.error
 
+    @property
+    def failed(self) -> bool:
+        """Whether the read ended without the whole state (its `on_failure` has run or runs now)."""
+        return self._done.is_set() and self.error is not None
+
     def cancel(self) -> None:
         """Ends the Get from any thread; `wait` then raises."""
         self._stream.cancel()
