@@ -124,8 +124,8 @@ class ClusterHandle:
 
 def required_resources(config: ClusterConfig) -> dict[str, float]:
     """The logical CPUs, GPUs and pools' custom resources the whole deployment reserves (one
-    store, as on one node; a bundle per rank of each replica)."""
-    need = {"CPU": config.gateway.num_cpus + config.store.num_cpus, "GPU": 0.0}
+    store and the gateway processes, as on one node; a bundle per rank of each replica)."""
+    need = {"CPU": config.gateway.num_cpus * config.gateway.replicas + config.store.num_cpus, "GPU": 0.0}
     for name in config.pool_names:
         pool = config.pool(name)
         for resource, amount in bundle_of(pool).items():

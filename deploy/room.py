@@ -51,9 +51,10 @@ def check_room(pool: str, spec: WorkerSpec, count: int, held: Mapping[str, float
 def check_start_room(config: ClusterConfig, pools: Iterable[Pool]) -> None:
     """`check_room` for every pool of a deployment about to start, each after those before it.
 
-    The gateway and one store count as taken from the start (every deployment has them).
+    The head node's gateway processes and one store count as taken from the start (every
+    deployment has them).
     """
-    held = {"CPU": config.gateway.num_cpus + config.store.num_cpus}
+    held = {"CPU": config.gateway.num_cpus * config.gateway.replicas + config.store.num_cpus}
     for pool in pools:
         if pool.replicas:
             check_room(pool.name, pool.spec, pool.replicas, held)
@@ -69,7 +70,7 @@ def take(held: dict[str, float], bundle: Mapping[str, float], count: int) -> Non
 def held_resources(config: ClusterConfig, roster: Roster) -> dict[str, float]:
     """What the deployment holds now: every bundle of its placement groups (a group keeps the
     bundles of replicas that a resize removed until all of its replicas are gone), and the
-    CPUs of its running stores and gateway."""
+    CPUs of its running stores and gateway processes."""
     held: dict[str, float] = {}
     for pool in roster.pools.values():
         for group in pool.groups:
@@ -77,8 +78,7 @@ def held_resources(config: ClusterConfig, roster: Roster) -> dict[str, float]:
                 take(held, bundle, 1)
     num_stores = sum(store.handle is not None for store in roster.stores.values())
     cpus = num_stores * config.store.num_cpus
-    if roster.gateway is not None and roster.gateway.handle is not None:
-        cpus += config.gateway.num_cpus
+    cpus += sum(gateway.handle is not None for gateway in roster.gateways) * config.gateway.num_cpus
     held["CPU"] = held.get("CPU", 0.0) + cpus
     return held
 

@@ -220,7 +220,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def CacheReport(
         self, request: prefill_pb2.CacheReportRequest, context: grpc.ServicerContext
     ) -> prefill_pb2.PrefixCacheReport:
-        return self._cache_reporter.report(self.loop)  # no wait behind a step
+        return self._cache_reporter.report(self.loop, request)  # no wait behind a step
 
     def Abort(
         self, request: prefill_pb2.AbortPrefillRequest, context: grpc.ServicerContext

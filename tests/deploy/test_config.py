@@ -416,3 +416,13 @@ def test_api_keys_come_from_a_variable_or_a_file_and_never_show_in_an_error(tmp_
     assert "gateway.api_keys_env: String should match pattern" in error_of(
         tmp_path, "gateway: {api_keys_env: 'not a name'}"
     )
+
+
+def test_gateway_replicas_are_bounded_and_a_local_ray_has_room_for_each(tmp_path):
+    config = load_config(write(tmp_path, "gateway: {replicas: 4, num_cpus: 1}\ndecode: {replicas: 2}"))
+    assert (config.gateway.replicas, config.gateway.placement) == (4, "head")
+    # 4 gateways x 1 + store 0.25 + prefill 1 + 2 decode x 1 CPUs
+    assert required_resources(config)["CPU"] == 7.25
+    for bad in ("gateway: {replicas: 0}", "gateway: {replicas: 65}", "gateway: {placement: anywhere}"):
+        with pytest.raises(ConfigError, match="gateway"):
+            load_config(write(tmp_path, bad))

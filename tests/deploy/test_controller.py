@@ -87,6 +87,31 @@ def test_a_killed_worker_is_restarted_and_the_gateway_hears_its_new_address(clus
     assert cluster.status()["healthy"]
 
 
+def test_two_gateway_processes_start_after_their_ledger_on_one_port_and_a_killed_one_comes_back(registry):
+    with run_cluster(small_config(gateway={"replicas": 2}), actor_classes=FAKE_CLASSES) as cluster:
+        status = cluster.status()
+        check_status_shape(status)
+        first, second = status["gateways"]
+        assert (first["index"], second["index"]) == (0, 1) and first["healthy"] and second["healthy"]
+        assert first["address"] == second["address"]  # the second joined the port the first bound
+        assert status["ledger"]["kind"] == "ledger" and status["ledger"]["healthy"]
+        assert [e[1]["num_gateways"] for e in events(registry, "gateway_settings")] == [2, 2]
+        assert [e[1] for e in events(registry, "use_ledger")] == [0, 1]  # each before it started
+        workers = (status["pools"]["prefill"]["addresses"], status["pools"]["decode"]["addresses"])
+        assert events(registry, "update_workers") == [("update_workers", *workers)] * 2
+        handles = [h for kind, _, h in ray.get(registry.get_handles.remote()) if kind == "gateway"]
+        ray.kill(handles[1])
+        wait_until(
+            lambda: (g := cluster.status()["gateways"][1])["restarts"] == 1 and g["healthy"],
+            what="gateway 1 to restart",
+        )
+        assert cluster.status()["gateways"][1]["address"] == first["address"]  # on the same port
+        assert [e[1] for e in events(registry, "use_ledger")] == [0, 1, 1]
+        wait_until(lambda: len(events(registry, "update_workers")) == 3, what="the new gateway 1 to hear")
+        assert events(registry, "update_workers")[-1] == ("update_workers", *workers)
+        assert cluster.status()["published"] == {"prefill": workers[0], "decode": workers[1]}
+
+
 def kill_worker(cluster: ClusterHandle, registry: Any, pool: str) -> str:
     """Kill the pool's first worker; return the address it had."""
     address = cluster.status()["pools"][pool]["workers"][0]["address"]
