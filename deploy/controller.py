@@ -32,8 +32,11 @@ import logging
 from typing import Any
 
 from deploy.actors import StartError, gateway_settings_kwargs
+from deploy.autoscale.planner import Planner, PlannerHooks
+from deploy.autoscale.resources import ask_ray_for, wanted_bundles
+from deploy.calls import call
 from deploy.changes import PoolTarget, changed_keys, describe_plan, refusals
-from deploy.converge import ApplyProgress, Converger, check_room_to_converge
+from deploy.converge import ApplyProgress, Converger, check_room_to_converge, no_room_for_one_more
 from deploy.health import HealthWatcher
 from deploy.members import Member, Pool, Roster
 from deploy.placement import HEAD_NODE_RESOURCE, NodeIps, release_groups, reserve
@@ -92,6 +95,20 @@ class Controller:
         self._applying = False
         self._lock = asyncio.Lock()
         self._health_task: asyncio.Task[None] | None = None
+        self._planner = Planner(
+            PlannerHooks(
+                config=lambda: self._config,
+                pools=self._roster.pools,
+                reports=self._gateway_load_reports,
+                publish=self._publish_autoscale,
+                no_room=lambda name: no_room_for_one_more(
+                    self._config, self._roster, self._roster.pools[name]
+                ),
+                scale=self._scale_by_planner,
+                ask_for_room=self._ask_ray_for_room,
+            )
+        )
+        self._planner_task: asyncio.Task[None] | None = None
         self._started = False
         self._stopped = False
 
@@ -120,6 +137,7 @@ class Controller:
             await self._publisher.publish(force=True)
             await self._health.check_once()
         self._health_task = asyncio.get_running_loop().create_task(self._health.watch(self._lock))
+        self._planner_task = asyncio.get_running_loop().create_task(self._planner.run())
         return await self.status()
 
     async def apply(self, config: ClusterConfig, dry_run: bool = False) -> dict[str, Any]:
@@ -144,7 +162,7 @@ class Controller:
         if found:
             raise ApplyRefused("nothing was changed; " + " | ".join(found))
         targets = [
-            PoolTarget(name, self._starter.spec(config, name), config.pool(name).replicas)
+            PoolTarget(name, self._starter.spec(config, name), self._replicas_to_apply(config, name))
             for name in config.pool_names
         ]
         check_room_to_converge(self._config, self._roster, targets)
@@ -176,6 +194,12 @@ class Controller:
         pools = self._roster.pools
         if pool not in pools:
             raise ValueError(f"no pool {pool!r}; pools: {', '.join(pools) or 'none (not started)'}")
+        scale = self._config.pool(pool).autoscale
+        if scale is not None:
+            raise ValueError(
+                f"pool {pool!r} is autoscaled ({scale.min_replicas}..{scale.max_replicas} replicas): change "
+                f"{pool}.autoscale's bounds with `splitserve apply`, or remove its autoscale section"
+            )
         data = self._config.model_dump(mode="json")
         data[pool]["replicas"] = replicas
         try:
@@ -184,6 +208,50 @@ class Controller:
             raise ValueError(str(exc)) from None
         result = await self.apply(config)
         return result["status"]  # type: ignore[no-any-return]
+
+    def _replicas_to_apply(self, config: ClusterConfig, name: str) -> int:
+        """The count an apply asks of a pool: the config's, or for an autoscaled pool that runs,
+        the planner's current count brought within the new bounds (its `replicas` is where it
+        starts at `up`)."""
+        section, pool = config.pool(name), self._roster.pools.get(name)
+        if section.autoscale is None or pool is None:
+            return section.replicas
+        return section.autoscale.clamp(pool.replicas)
+
+    async def _scale_by_planner(self, name: str, replicas: int, reason: str) -> None:
+        """The autoscaler's change: one pool to `replicas`, through the converge `apply` uses."""
+        if self._applying or self._stopped:
+            raise ApplyRefused("an apply is in progress or the deployment stops; the autoscaler waits")
+        self._applying = True
+        try:
+            pool = self._roster.pools[name]
+            text = f"autoscale: {name} {pool.replicas} -> {replicas} ({reason})"
+            async with self._lock:
+                pool.replicas = replicas
+            self._converger.progress = ApplyProgress(in_progress=True, plan=[text])
+            logger.info("%s", text)
+            try:
+                await self._converger.run(self._lock)
+            except Exception:
+                async with self._lock:  # what started stays; the pool asks no more than it runs
+                    pool.replicas = len(pool.members)
+                raise
+        finally:
+            self._applying = False
+
+    async def _gateway_load_reports(self) -> list[dict[str, Any]]:
+        gateway = self._roster.gateway
+        if gateway is None or gateway.handle is None:
+            raise RuntimeError("the gateway is down: no load to judge the pools by")
+        return [await call(gateway.handle.load_report.remote(), self._config.health.timeout_s)]
+
+    async def _publish_autoscale(self, state: dict[str, Any]) -> None:
+        gateway = self._roster.gateway
+        if gateway is not None and gateway.handle is not None:
+            await call(gateway.handle.publish_autoscale.remote(state), self._config.health.timeout_s)
+
+    def _ask_ray_for_room(self, name: str) -> None:
+        ask_ray_for(wanted_bundles(self._config, self._roster.pools, len(self._roster.stores), {name: 1}))
 
     def _use_config(self, config: ClusterConfig, targets: list[PoolTarget]) -> None:
         """From now on `config` is what the deployment should be: the pools' targets, the health settings."""
@@ -199,11 +267,12 @@ class Controller:
 
     async def stop(self) -> dict[str, int]:
         """Stop the health loop, then the gateway, the workers and the stores; free placements."""
-        self._stopped = self._health.stopped = True
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
+        self._stopped = self._health.stopped = self._planner.stopped = True
+        for task in (self._planner_task, self._health_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         async with self._lock:
             gateway = self._roster.gateway
             stages = [
@@ -231,6 +300,7 @@ class Controller:
             published=self._publisher.published,
             node_ips=self._node_ips,
             apply=self._converger.progress.to_dict(),
+            autoscale=self._planner.status(),
         )
 
     async def cluster_token(self) -> str:

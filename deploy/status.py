@@ -23,10 +23,12 @@ def build_status(
     published: WorkerLists | None,
     node_ips: NodeIps,
     apply: dict[str, Any],
+    autoscale: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Everything at a glance: per pool replicas (desired and running), addresses, health,
     restarts and load; per worker, store and gateway its place, process, health and what it last
-    reported; the last apply's plan and steps (`apply`)."""
+    reported; the last apply's plan and steps (`apply`); per autoscaled pool its bounds, desired
+    and actual replicas and the planner's last decision (`autoscale`)."""
     ips = node_ips.known
     pools = {name: pool.summary(ips) for name, pool in roster.pools.items()}
     gateway = roster.gateway.row(ips) if roster.gateway else None
@@ -51,6 +53,7 @@ def build_status(
         "stores": stores,
         "published": {"prefill": published[0], "decode": published[1]} if published else None,
         "apply": apply,
+        "autoscale": autoscale or {},
     }
 
 

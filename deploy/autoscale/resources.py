@@ -1,0 +1,39 @@
+"""What the planner asks of Ray's autoscaler when a pool wants a replica the cluster cannot hold.
+
+`ray.autoscaler.sdk.request_resources` sets the cluster's floor: the autoscaler (where a Ray
+cluster runs one: `ray up`, KubeRay) adds nodes until these bundles fit, counting what runs.
+Each call replaces the last one, so the planner asks for everything the deployment wants (its
+pools with the extra replica, its gateway and stores), and asks again for what remains after a
+scale-down. On a fixed cluster nobody reads the request; the pool stays at what fits.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from deploy.members import Pool
+from splitserve.config import ClusterConfig
+
+logger = logging.getLogger("splitserve.deploy")
+
+
+def wanted_bundles(
+    config: ClusterConfig, pools: Mapping[str, Pool], num_stores: int, more: Mapping[str, int]
+) -> list[dict[str, float]]:
+    """Every bundle the deployment wants: each pool's replicas (plus `more[pool]`), the
+    gateway's and each store's CPUs (at least one store)."""
+    bundles = []
+    for name, pool in pools.items():
+        bundles += [dict(pool.spec.bundle)] * (pool.replicas + more.get(name, 0))
+    bundles.append({"CPU": float(config.gateway.num_cpus)})
+    bundles += [{"CPU": float(config.store.num_cpus)}] * max(1, num_stores)
+    return [{k: v for k, v in b.items() if v > 0} for b in bundles if any(v > 0 for v in b.values())]
+
+
+def ask_ray_for(bundles: list[dict[str, float]]) -> None:
+    """Tell Ray's autoscaler the deployment wants `bundles` in all (replacing the last request)."""
+    from ray.autoscaler.sdk import request_resources
+
+    request_resources(bundles=bundles)
+    logger.info("autoscale: asked Ray's autoscaler for %d bundle(s) in all: %s", len(bundles), bundles)
