@@ -93,8 +93,8 @@ def decide(
     idle = None if pressure else _idle(role, seen, scale, slo)
     track = replace(
         track,
-        pressed_since_s=(track.pressed_since_s or now_s) if pressure else None,
-        idle_since_s=(track.idle_since_s or now_s) if idle else None,
+        pressed_since_s=_since(track.pressed_since_s, now_s) if pressure else None,
+        idle_since_s=_since(track.idle_since_s, now_s) if idle else None,
     )
     if track.changed_at_s is not None and now_s - track.changed_at_s < scale.cooldown_s:
         return Decision(
@@ -158,6 +158,10 @@ def _idle(role: str, seen: Observation, scale: AutoscaleConfig, slo: SloConfig) 
     if projected >= below * scale.target_occupancy:
         return None
     return f"occupancy {seen.occupancy:.2f} ({projected:.2f} with one replica fewer), latencies within SLO"
+
+
+def _since(since_s: float | None, now_s: float) -> float:
+    return now_s if since_s is None else since_s
 
 
 def _over(value: float | None, limit: float | None) -> bool:

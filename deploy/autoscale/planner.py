@@ -1,8 +1,9 @@
 """The autoscaler's loop in the controller: observe, decide, act through the converge, report.
 
 Every pool with `autoscale` is looked at every `autoscale.interval_s`: the gateways' load
-reports become an observation (observe.py), `decide` says up, down, held or hold (decide.py),
-and an up or down is carried out by the controller's converge, the path `apply` takes (an
+reports become an observation of the window since the last pass (observe.py; a pool's first
+pass, and its first after a change, only starts the window), `decide` says up, down, held or
+hold (decide.py), and an up or down is carried out by the controller's converge, the path `apply` takes (an
 added replica starts and joins the gateway's lists; a removed one leaves them first and
 drains, so no request fails). A pool whose members are not its count yet (an apply or a
 restart in progress) is not judged. An up that does not fit the cluster is held: the planner
@@ -108,10 +109,12 @@ class Planner:
             if pool.replicas != len(pool.members):
                 plan.view = None  # judged afresh once the pool is whole
                 continue
+            before, plan.view = plan.view, view
+            if before is None:  # the window starts here: what came before is another pool's story
+                continue
             plan.seen = observe(
-                pool.role, view, plan.view, len(pool.members), section.slo, section.max_num_batched_tokens
+                pool.role, view, before, len(pool.members), section.slo, section.max_num_batched_tokens
             )
-            plan.view = view
             await self._judge(name, plan, section, self._clock())
         await self._hooks.publish(self.metrics_state())
 
