@@ -228,8 +228,7 @@ class Controller:
             text = f"autoscale: {name} {pool.replicas} -> {replicas} ({reason})"
             async with self._lock:
                 pool.replicas = replicas
-            self._converger.progress = ApplyProgress(in_progress=True, plan=[text])
-            logger.info("%s", text)
+            self._converger.progress = ApplyProgress(in_progress=True, plan=[text])  # the planner logged it
             try:
                 await self._converger.run(self._lock)
             except Exception:

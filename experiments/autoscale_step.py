@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import random
 import tempfile
 import time
@@ -117,12 +118,13 @@ def watch_replicas(cluster: ClusterHandle, step_at_s: float, stop: asyncio.Event
 
     async def run() -> list[tuple[float, int]]:
         seen: list[tuple[float, int]] = []
-        while not stop.is_set():
+        while True:
             count = (await asyncio.to_thread(cluster.status))["pools"]["decode"]["replicas"]
             if not seen or seen[-1][1] != count:
                 seen.append((round(time.perf_counter() - step_at_s, 1), count))
+            if stop.is_set():
+                return seen
             await asyncio.sleep(0.5)
-        return seen
 
     return run()
 
@@ -152,6 +154,9 @@ def run_mode(mode: str, model_path: str, args: argparse.Namespace, prompts: list
     slos = {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms}
     step = [r for r in records if args.before_s <= r.start_s < args.before_s + args.step_s + args.after_s]
     step_ttft = LatencyStats.of_seconds([r.ttft_s for r in step if r.ttft_s is not None])
+    failures = collections.Counter(r.error[:300] for r in records if not r.success)
+    for error, count in failures.items():
+        print(f"{mode}: {count} failed: {error}")
     return Run(mode, summarize(records, duration_s, slos), step_ttft, replicas)
 
 
