@@ -72,13 +72,11 @@ class Planner:
     async def run(self) -> None:
         """Pass after pass until `stopped` (or cancelled); a failed pass is logged, not fatal."""
         while not self.stopped:
-            await asyncio.sleep(self._sleep_s())
-            if self.stopped:
-                return
             try:
                 await self.pass_once()
             except Exception:
                 logger.exception("autoscale pass failed")
+            await asyncio.sleep(self._sleep_s())
 
     def _sleep_s(self) -> float:
         if not self._plans:
@@ -101,11 +99,11 @@ class Planner:
         due = [name for name, plan in self._plans.items() if plan.next_at_s <= now_s]
         if not due:
             return
+        for name in due:  # a failed pass waits its interval too
+            self._plans[name].next_at_s = now_s + sections[name].autoscale.interval_s
         view = GatewayView.of(await self._hooks.reports())
         for name in due:
             section, plan, pool = sections[name], self._plans[name], self._hooks.pools[name]
-            assert section.autoscale is not None
-            plan.next_at_s = now_s + section.autoscale.interval_s
             if pool.replicas != len(pool.members):
                 plan.view = None  # judged afresh once the pool is whole
                 continue
@@ -178,12 +176,10 @@ class Planner:
     def status(self) -> dict[str, Any]:
         """Per autoscaled pool: bounds, desired and actual replicas, what was observed last, the
         last decision and the last failed change."""
-        sections = self._autoscaled()
         out = {}
-        for name, plan in self._plans.items():
-            if name not in sections:
-                continue
-            scale, pool, last, seen = sections[name].autoscale, self._hooks.pools[name], plan.last, plan.seen
+        for name, section in self._autoscaled().items():
+            plan = self._plans.get(name, _PoolPlan())
+            scale, pool, last, seen = section.autoscale, self._hooks.pools[name], plan.last, plan.seen
             out[name] = {
                 "min_replicas": scale.min_replicas,
                 "max_replicas": scale.max_replicas,
