@@ -12,7 +12,8 @@ The work is split by responsibility: deploy/room.py (can the bundles ever fit),
 deploy/placement.py (placement groups, node IPs), deploy/starter.py (creating, starting and
 ending actors), deploy/health.py (probes and restarts), deploy/publisher.py (the gateway's
 worker lists), deploy/changes.py (what a new config changes, what it may not),
-deploy/converge.py (the steps of an apply), deploy/status.py (the status report); this class
+deploy/converge.py (the steps of an apply), deploy/autoscale/ (the SLO autoscaler's planner,
+which acts through the same converge), deploy/status.py (the status report); this class
 composes them.
 
 The actor classes (written in their own packages) are imported only when first needed, so this
@@ -249,8 +250,9 @@ class Controller:
         if gateway is not None and gateway.handle is not None:
             await call(gateway.handle.publish_autoscale.remote(state), self._config.health.timeout_s)
 
-    def _ask_ray_for_room(self, name: str) -> None:
-        ask_ray_for(wanted_bundles(self._config, self._roster.pools, len(self._roster.stores), {name: 1}))
+    def _ask_ray_for_room(self, name: str | None) -> None:
+        more = {name: 1} if name is not None else {}
+        ask_ray_for(wanted_bundles(self._config, self._roster.pools, len(self._roster.stores), more))
 
     def _use_config(self, config: ClusterConfig, targets: list[PoolTarget]) -> None:
         """From now on `config` is what the deployment should be: the pools' targets, the health settings."""

@@ -36,7 +36,8 @@ IDLE_POLL_S = 5.0  # how often a deployment without autoscaled pools looks wheth
 class PlannerHooks:
     """What the planner needs of the controller: the running config and pools, the gateways'
     load reports, where to send its series, whether one more replica fits (None, or why not),
-    how to converge a pool to a count, and what to ask Ray's autoscaler for."""
+    how to converge a pool to a count, and to ask Ray's autoscaler for what the deployment wants
+    (with one more replica of the named pool; None: as it stands)."""
 
     config: Callable[[], ClusterConfig]
     pools: Mapping[str, Pool]
@@ -44,7 +45,7 @@ class PlannerHooks:
     publish: Callable[[dict[str, Any]], Awaitable[None]]
     no_room: Callable[[str], str | None]
     scale: Callable[[str, int, str], Awaitable[None]]
-    ask_for_room: Callable[[str], None]
+    ask_for_room: Callable[[str | None], None]
 
 
 @dataclass
@@ -67,6 +68,7 @@ class Planner:
         self._clock = clock
         self._plans: dict[str, _PoolPlan] = {}
         self.counts: dict[tuple[str, str, str], int] = {}  # (pool, direction, reason) -> decisions
+        self._asked = False  # whether Ray's autoscaler holds a request of ours
         self.stopped = False
 
     async def run(self) -> None:
@@ -157,10 +159,13 @@ class Planner:
             logger.error("autoscale: %s %d -> %d failed: %s", name, current, decision.desired, plan.error)
         plan.track = plan.track.after_change(self._clock())
         plan.view = None  # the window restarts with the new pool
+        if self._asked:  # the request stands until replaced: make it what the deployment wants now
+            self._ask_for_room(None)
 
-    def _ask_for_room(self, name: str) -> None:
+    def _ask_for_room(self, name: str | None) -> None:
         try:
             self._hooks.ask_for_room(name)
+            self._asked = True
         except Exception as exc:  # no autoscaler API, or GCS unreachable: the hold stands anyway
             logger.warning("autoscale: could not ask Ray's autoscaler for room: %s", exc)
 

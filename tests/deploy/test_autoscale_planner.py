@@ -67,7 +67,7 @@ class Scripted:
         self.room = room
         self.scaled: list[tuple[str, int, str]] = []
         self.published: list[dict[str, Any]] = []
-        self.asked: list[str] = []
+        self.asked: list[str | None] = []
         self.planner = Planner(
             PlannerHooks(
                 config=lambda: self.config,
@@ -146,6 +146,7 @@ def test_an_up_that_does_not_fit_is_held_says_why_and_asks_rays_autoscaler_once(
     deployment.room = None  # a node arrived
     deployment.passes(1, num_queued=2)
     assert [n for _, n, _ in deployment.scaled] == [2]
+    assert deployment.asked == ["decode", None]  # the request replaced by what the deployment now wants
 
 
 def test_nothing_is_judged_while_the_gateway_cannot_say_the_load():
