@@ -18,22 +18,27 @@ from splitserve.config import ClusterConfig
 logger = logging.getLogger("splitserve.deploy")
 
 
+Bundle = tuple[dict[str, float], dict[str, str]]  # resources, and the node labels it needs
+
+
 def wanted_bundles(
     config: ClusterConfig, pools: Mapping[str, Pool], num_stores: int, more: Mapping[str, int]
-) -> list[dict[str, float]]:
-    """Every bundle the deployment wants: each pool's replicas (plus `more[pool]`), the
-    gateway's and each store's CPUs (at least one store)."""
-    bundles = []
+) -> list[Bundle]:
+    """Every bundle the deployment wants, each with the node labels its pool needs: each pool's
+    replicas (plus `more[pool]`), the gateway's and each store's CPUs (at least one store)."""
+    bundles: list[Bundle] = []
     for name, pool in pools.items():
-        bundles += [dict(pool.spec.bundle)] * (pool.replicas + more.get(name, 0))
-    bundles.append({"CPU": float(config.gateway.num_cpus)})
-    bundles += [{"CPU": float(config.store.num_cpus)}] * max(1, num_stores)
-    return [{k: v for k, v in b.items() if v > 0} for b in bundles if any(v > 0 for v in b.values())]
+        bundles += [(dict(pool.spec.bundle), dict(pool.spec.labels))] * (pool.replicas + more.get(name, 0))
+    bundles.append(({"CPU": float(config.gateway.num_cpus)}, {}))
+    bundles += [({"CPU": float(config.store.num_cpus)}, {})] * max(1, num_stores)
+    kept = [({k: v for k, v in b.items() if v > 0}, labels) for b, labels in bundles]
+    return [(b, labels) for b, labels in kept if b]
 
 
-def ask_ray_for(bundles: list[dict[str, float]]) -> None:
+def ask_ray_for(bundles: list[Bundle]) -> None:
     """Tell Ray's autoscaler the deployment wants `bundles` in all (replacing the last request)."""
     from ray.autoscaler.sdk import request_resources
 
-    request_resources(bundles=bundles)
+    shapes, selectors = [b for b, _ in bundles], [labels for _, labels in bundles]
+    request_resources(bundles=shapes, bundle_label_selectors=selectors if any(selectors) else None)
     logger.info("autoscale: asked Ray's autoscaler for %d bundle(s) in all: %s", len(bundles), bundles)

@@ -4,6 +4,7 @@ it to the file's `replicas`, and a resize is refused with what to do instead."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -55,3 +56,17 @@ def test_apply_keeps_an_autoscaled_pools_count_within_the_new_bounds(cluster):
     plain = small_config(decode={"replicas": 2, "num_cpus": 0.25})
     assert cluster.apply(plain)["plan"] == ["decode: add 1 replica(s) (1 -> 2)"]
     assert cluster.status()["autoscale"] == {}
+
+
+def test_the_request_to_rays_autoscaler_reaches_the_cluster_as_the_bundles_wanted(cluster):
+    from ray.autoscaler._private.commands import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+    from ray.autoscaler.v2.utils import is_autoscaler_v2
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    from deploy.autoscale.resources import ask_ray_for
+
+    ask_ray_for([({"CPU": 0.25}, {}), ({"CPU": 0.25, "GPU": 1.0}, {"node-type": "h200"})])
+    if is_autoscaler_v2():
+        pytest.skip("this Ray's autoscaler v2 keeps the request in the GCS, not in its key-value store")
+    stored = json.loads(_internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL))
+    assert stored == [{"CPU": 0.25}, {"CPU": 0.25, "GPU": 1.0}]

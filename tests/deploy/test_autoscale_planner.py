@@ -58,7 +58,7 @@ class Scripted:
         self.config = parse_config(
             {"decode": {"num_cpus": 0.5, "autoscale": {**AUTOSCALE, "max_replicas": max_replicas}}}
         )
-        spec = SimpleNamespace(bundle={"CPU": 0.5})
+        spec = SimpleNamespace(bundle={"CPU": 0.5}, labels={})
         self.pool = Pool(name="decode", role="decode", spec=spec, replicas=1)  # type: ignore[arg-type]
         self.pool.members.append(Member(kind="decode", index=0))
         self.prefill = Pool(name="prefill", role="prefill", spec=spec, replicas=1)  # type: ignore[arg-type]
@@ -170,10 +170,18 @@ def test_a_pool_in_the_middle_of_a_change_is_not_judged():
 
 def test_the_bundles_asked_for_are_everything_the_deployment_wants_with_one_more():
     deployment = Scripted()
+    deployment.pool.spec = SimpleNamespace(bundle={"CPU": 0.5}, labels={"node-type": "big"})  # type: ignore[assignment]
     pools = {"prefill": deployment.prefill, "decode": deployment.pool}
     bundles = wanted_bundles(deployment.config, pools, 1, {"decode": 1})
     # prefill 1, decode 1 + 1, the gateway, one store
-    assert bundles == [{"CPU": 0.5}, {"CPU": 0.5}, {"CPU": 0.5}, {"CPU": 0.25}, {"CPU": 0.25}]
+    assert [shape for shape, _ in bundles] == [
+        {"CPU": 0.5},
+        {"CPU": 0.5},
+        {"CPU": 0.5},
+        {"CPU": 0.25},
+        {"CPU": 0.25},
+    ]
+    assert [labels for _, labels in bundles] == [{}, {"node-type": "big"}, {"node-type": "big"}, {}, {}]
 
 
 def test_window_percentiles_interpolate_in_the_bucket_and_restart_with_a_restarted_gateway():
