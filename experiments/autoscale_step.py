@@ -1,11 +1,11 @@
 """Experiment: a load step with the SLO autoscaler off and on, side by side.
 
     python -m experiments.autoscale_step [--rate 3] [--before-s 30] [--step-s 60] [--after-s 60]
-        [--max-tokens 32] [--modes off,on]
+        [--max-tokens 32] [--slots 1] [--modes off,on] [--seed 0]
 
 For each mode, starts a real deployment on local Ray (the tiny model; one prefill replica; a
-decode pool whose replicas hold `--slots` requests each, so one replica's room, not the CPU, is
-what a doubled rate overflows) and sends an open-loop Poisson load through the gateway:
+decode pool whose replicas hold `--slots` requests each (1), so one replica's room, not the CPU,
+is what a doubled rate overflows) and sends an open-loop Poisson load through the gateway:
 `--rate` requests/s for `--before-s`, twice that for `--step-s`, then `--rate` again for
 `--after-s`. `off`: one decode replica throughout. `on`: the decode pool autoscaled 1..2 with
 short timings (`AUTOSCALE` below), so it adds a replica during the step and drains it after.
@@ -198,7 +198,7 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, default=60.0)
     parser.add_argument("--after-s", type=float, default=60.0)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--slots", type=int, default=2, help="max_num_seqs of each decode replica")
+    parser.add_argument("--slots", type=int, default=1, help="max_num_seqs of each decode replica")
     parser.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=100.0)
     parser.add_argument("--modes", default="off,on")

@@ -187,9 +187,7 @@ class LeastLoadRouter(Router):
         self, num_prompt_tokens: int, prefix_hashes: Sequence[bytes] = (), exclude: Collection[str] = ()
     ) -> str | None:
         with self._lock:
-            return min(
-                self._prefill_rotation(exclude), key=lambda a: self._outstanding.get(a, 0), default=None
-            )
+            return min(self._prefill_rotation(exclude), key=lambda a: self._outstanding.get(a, 0), default=None)
 
     def rank_decode(
         self,

@@ -57,9 +57,7 @@ class GatewaySettings(BaseModel):
     )
     max_decode_failovers: int = Field(3, ge=0, description="decode workers one request may lose")
     decode_failover_wait_s: float = Field(
-        60.0,
-        ge=0,
-        description="how long a request waits for a reachable decode worker (decode.failover_wait_s)",
+        60.0, ge=0, description="how long a request waits for a reachable decode worker (decode.failover_wait_s)"
     )
     max_request_bytes: int = Field(
         8 * 2**20, ge=1, description="request body limit: past it a 413, before the JSON is parsed"

@@ -88,9 +88,7 @@ class EngineConfig:
         if self.replay_window < 0:
             raise ValueError(f"replay_window must be 0 (off) or a number of steps (got {self.replay_window})")
         if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(
-                f"preemption_mode must be one of {PREEMPTION_MODES} (got {self.preemption_mode!r})"
-            )
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES} (got {self.preemption_mode!r})")
         if self.swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be at least 0 (got {self.swap_space_bytes})")
         if self.snapshot_memory_bytes < 0:
