@@ -1,5 +1,9 @@
 """`splitserve config plan FILE`: each pool's memory plan as a table (or JSON), before anything starts.
 
+Every figure is one device's, which is one rank's under tensor parallelism (`--tensor-parallel N`
+[--expert-parallel] plans a layout the config does not ask for yet), with what a step sends
+between a replica's ranks.
+
 Exit status: 0 every pool fits, 1 one does not (or the config or model config cannot be read),
 3 some pool's device memory is unknown here (set `<pool>.device_memory_bytes`). Torch-free
 unless a GPU pool without `device_memory_bytes` asks torch for the visible device.
@@ -30,6 +34,18 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "for the checkpoint of that folder name",
     )
     parser.add_argument("--json", action="store_true", help="print the plans as JSON")
+    parser.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=None,
+        metavar="N",
+        help="plan every pool with N ranks (devices) per replica instead of its tensor_parallel",
+    )
+    parser.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="with --tensor-parallel: spread the routed experts over the ranks whole",
+    )
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -39,7 +55,8 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.file)
         model, source = read_model_config(config, args.model_config, SHIPPED_MODEL_CONFIGS)
-        plans = plan_cluster(config, model)
+        layout = {"tensor_parallel": args.tensor_parallel, "expert_parallel": args.expert_parallel or None}
+        plans = plan_cluster(config, model, **layout)
     except (ConfigError, OSError, ValueError) as exc:
         print(f"splitserve config plan: {exc}", file=sys.stderr)
         return EXIT_DOES_NOT_FIT
@@ -64,12 +81,13 @@ def plan_table(file: str, source: str, dtype: str, plans: list[PoolPlan]) -> str
     """The plans side by side, one column per pool, then a verdict line per pool."""
     first = plans[0]
     kda_layers, mla_layers = first.unit.num_kda_layers, first.unit.num_mla_layers
+    rank = f" per rank of {first.tensor_parallel} ({first.pool})" if first.tensor_parallel > 1 else ""
     head = [
         f"memory plan for {file}",
         f"model config: {source}",
-        f"  {first.num_params / 1e9:,.2f} B parameters in {dtype} (router weights, their bias and "
+        f"  {first.num_params / 1e9:,.2f} B parameters{rank} in {dtype} (router weights, their bias and "
         "KDA dt_bias in fp32)",
-        f"  per request: {human_bytes(first.unit.slot_bytes)} of KDA state ({kda_layers} layers), "
+        f"  per request{rank}: {human_bytes(first.unit.slot_bytes)} of KDA state ({kda_layers} layers), "
         f"{human_bytes(first.unit.block_bytes // first.unit.mla.block_size)} of MLA KV per token "
         f"({mla_layers} layers)",
         "",
@@ -86,7 +104,21 @@ def plan_table(file: str, source: str, dtype: str, plans: list[PoolPlan]) -> str
 
 def _device(plan: PoolPlan) -> str:
     tp = f", tensor_parallel {plan.tensor_parallel}" if plan.tensor_parallel > 1 else ""
-    return f"{plan.device}, {plan.replicas} replica{'s' if plan.replicas != 1 else ''}{tp}"
+    ep = ", expert_parallel" if plan.expert_parallel else ""
+    return f"{plan.device}, {plan.replicas} replica{'s' if plan.replicas != 1 else ''}{tp}{ep}"
+
+
+def _allreduce(plan: PoolPlan) -> str:
+    t = plan.traffic
+    if t is None:
+        return "-"
+    per_call = t.allreduce_payload_bytes_per_token // t.num_allreduces
+    return f"{t.num_allreduces} x {human_bytes(per_call)} (ring: {human_bytes(t.allreduce_ring_bytes_per_token)} per rank)"
+
+
+def _gather(plan: PoolPlan) -> str:
+    t = plan.traffic
+    return "-" if t is None else f"{human_bytes(t.logits_gather_bytes_per_row)} into rank 0"
 
 
 def _memory(plan: PoolPlan) -> str:
@@ -139,7 +171,7 @@ _ROWS = (
     ("device", _device),
     ("device memory", _memory),
     ("  from", lambda p: p.device_memory_source),
-    ("weights", lambda p: human_bytes(p.weight_bytes)),
+    ("weights (per rank)", lambda p: human_bytes(p.weight_bytes)),
     ("fused copies (built at load)", lambda p: human_bytes(p.fused_bytes)),
     ("activation margin", lambda p: human_bytes(p.activation.total_bytes)),
     (
@@ -159,6 +191,8 @@ _ROWS = (
     ("  one request, all blocks", _one_request),
     ("KV if the budget took all left", _all_left),
     ("needs per device", lambda p: human_bytes(p.need_bytes)),
+    ("between ranks, per token", _allreduce),
+    ("  logits per sampled row", _gather),
     ("fits", _fits),
 )
 

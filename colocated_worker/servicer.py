@@ -177,4 +177,4 @@ class ColocatedServicer(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.Decode
     def CacheReport(
         self, request: prefill_pb2.CacheReportRequest, context: grpc.ServicerContext
     ) -> prefill_pb2.PrefixCacheReport:
-        return self._cache_reporter.report(self.loop)  # no wait behind a step
+        return self._cache_reporter.report(self.loop, request)  # no wait behind a step

@@ -30,7 +30,7 @@ from decode_worker.state_reader import StateReader
 from decode_worker.stored_resume import StoredState, read_stored_state
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import LLMEngine, RequestUpdate
-from splitserve.engine.transfer_sink import TransferSink
+from splitserve.engine.parallel.handoff import ShardingSink
 from splitserve.rpc import abort
 from splitserve.state.client import StateStoreClient
 from splitserve.state.errors import CorruptStateError, StateStoreError, StateUnavailableError
@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 def reserve_room(
     loop: EngineLoop, rid: str, num_tokens: int, context: grpc.ServicerContext, num_samples: int = 1
-) -> TransferSink | None:
+) -> ShardingSink | None:
     """Room for the state of `num_tokens` tokens (and `num_samples` samples forked from it) and
     where to write it; None when there is no room now. A request the engine refuses ends the RPC
     with INVALID_ARGUMENT."""

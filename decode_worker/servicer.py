@@ -17,9 +17,10 @@ from decode_worker.resume import KeptStreams, reserve_room
 from decode_worker.state_reader import StateReader
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.llm_engine import LLMEngine, RequestUpdate
+from splitserve.engine.parallel.handoff import ShardingSink, StoreRead
 from splitserve.engine.parallel_sampling import SampleStart
-from splitserve.engine.transfer_sink import TransferSink
 from splitserve.rpc import abort
+from splitserve.rpc_auth import cluster_token
 from splitserve.sampling_params import SamplingParams, sample_request_id
 from splitserve.state.client import StateStoreClient
 from splitserve.state.errors import CorruptStateError, StateStoreError
@@ -144,7 +145,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         )
 
     def _open_reader(
-        self, request: decode_pb2.ReserveRequest, context: grpc.ServicerContext, sink: TransferSink
+        self, request: decode_pb2.ReserveRequest, context: grpc.ServicerContext, sink: ShardingSink
     ) -> StateReader | None:
         """Start pulling a granted reservation's state, its lapse armed; None (nothing started)
         when the caller is gone. Raises what opening the read raised (the store unreachable)."""
@@ -161,6 +162,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         # the arena only of this node's store: another node's state comes over the network
         shared = None if source is self.store else False
         transport = None if source is self.store else self._cross_node_transport()
+        if self.loop.engine.tp.size > 1:  # each other rank reads its heads of the key itself
+            read = StoreRead(source.address, key, timeout_s, shared, cluster_token())
+            self.loop.call(lambda e: e.read_on_ranks(rid, read)).result(timeout=30)
         reader = StateReader(
             sink,
             source,
@@ -176,6 +180,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self._readers[rid] = reader
             # a Decode or Abort for rid cancels it (`_take`); a replaced reader's entry finds it gone
             self._lapse_entries[rid] = self._lapses.add(2 * timeout_s, lambda: self._lapse(rid, reader))
+        if reader.failed:  # it failed before it was registered: its callback found nothing to free
+            self._free_room(reader)
         return reader
 
     def Decode(
@@ -317,8 +323,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         )
 
     def _free_room(self, reader: StateReader) -> None:
-        """The state will never arrive whole: free the room now; Decode still reports why."""
-        self._abort_engine(reader.request_id)
+        """The state will never arrive whole: free the room now; Decode still reports why.
+
+        Only while the reservation is still pending: once a Decode or an Abort took the reader,
+        the taker frees the room itself, and the request id may already name a new request here
+        (the gateway runs the prompt again, e.g. `decode_local` after the prefill's store failed)
+        that an abort by id from this late callback would end silently, its stream left waiting.
+        The abort is queued under the lock, so an Abort or Decode taking the reader meanwhile
+        queues its own work after it."""
+        with self._lock:
+            if self._readers.get(reader.request_id) is not reader:
+                return
+            self._abort_engine(reader.request_id)
         self._release(reader)
 
     def _take(self, rid: str) -> StateReader | None:

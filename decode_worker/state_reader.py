@@ -4,7 +4,7 @@ Started when the decode worker accepts a reservation: one Get on the store the p
 into (the prefill's own node's store: one hop; the arena when it shares this node, else streamed
 bytes) waits for the key's first put and streams each chunk as it lands (checksums verified),
 and this reader's own thread scatters every
-piece straight into the reserved room through the engine's `TransferSink` (each MLA chunk as
+piece straight into the reserved room through the engine's `ShardingSink` (each MLA chunk as
 it lands, each KDA state once whole). The engine thread takes no part until admission, so a busy
 decode worker adds no step per layer to a handoff. `wait` returns once the whole prompt's state
 is in, or raises the reason it never will be.
@@ -17,9 +17,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 
+from splitserve.engine.parallel.handoff import ShardingSink
 from splitserve.engine.state_codec import decode_pieces
 from splitserve.engine.state_transfer import LayerState
-from splitserve.engine.transfer_sink import TransferSink
 from splitserve.state import Chunk
 from splitserve.state.client import StateStoreClient
 from splitserve.state.transport import TransportClient
@@ -32,7 +32,7 @@ class StateReader:
 
     def __init__(
         self,
-        sink: TransferSink,
+        sink: ShardingSink,
         store: StateStoreClient,
         request_id: str,
         key: str,
@@ -71,6 +71,11 @@ class StateReader:
             raise TimeoutError(f"state of {self.request_id} did not arrive within {timeout_s:.0f} s")
         if self.error is not None:
             raise self.error
+
+    @property
+    def failed(self) -> bool:
+        """Whether the read ended without the whole state (its `on_failure` has run or runs now)."""
+        return self._done.is_set() and self.error is not None
 
     def cancel(self) -> None:
         """Ends the Get from any thread; `wait` then raises."""

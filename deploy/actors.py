@@ -24,6 +24,7 @@ DEFAULT_CLASSES = {
     "decode": ("decode_worker.actor", "DecodeWorkerActor"),
     "colocated": ("colocated_worker.actor", "ColocatedWorkerActor"),
     "gateway": ("frontend.actor", "GatewayActor"),
+    "ledger": ("frontend.ledger_actor", "LedgerActor"),
     "gateway_settings": ("frontend.settings", "GatewaySettings"),
 }
 

@@ -1,8 +1,9 @@
 """The controller: one Ray actor that turns a `ClusterConfig` into running actors and keeps them up.
 
 `start()` reserves a placement group per pool, starts one state store on each node that hosts
-a worker, then the workers (each given its node's store address), then the gateway, and tells
-the gateway the worker addresses. A background loop probes every actor every
+a worker, then the workers (each given its node's store address), then the gateway processes
+(with several, first the admission ledger they share: deploy/gateway_starter.py), and tells
+every gateway the worker addresses. A background loop probes every actor every
 `health.interval_s` and restarts the failed ones. `apply(config)` converges the running
 deployment on a new config (pools grown, shrunk or rolled; what cannot change live refused
 before anything changes); `resize(pool, n)` is an apply of one pool's replica count;
@@ -10,8 +11,8 @@ before anything changes); `resize(pool, n)` is an apply of one pool's replica co
 
 The work is split by responsibility: deploy/room.py (can the bundles ever fit),
 deploy/placement.py (placement groups, node IPs), deploy/starter.py (creating, starting and
-ending actors), deploy/health.py (probes and restarts), deploy/publisher.py (the gateway's
-worker lists), deploy/changes.py (what a new config changes, what it may not),
+ending actors), deploy/gateway_starter.py (the gateway processes and their ledger),
+deploy/health.py (probes and restarts), deploy/publisher.py (the gateways' worker lists), deploy/changes.py (what a new config changes, what it may not),
 deploy/converge.py (the steps of an apply), deploy/autoscale/ (the SLO autoscaler's planner,
 which acts through the same converge), deploy/status.py (the status report); this class
 composes them.
@@ -39,7 +40,7 @@ from deploy.calls import call
 from deploy.changes import PoolTarget, changed_keys, describe_plan, refusals
 from deploy.converge import ApplyProgress, Converger, check_room_to_converge, no_room_for_one_more
 from deploy.health import HealthWatcher
-from deploy.members import Member, Pool, Roster
+from deploy.members import Pool, Roster
 from deploy.placement import HEAD_NODE_RESOURCE, NodeIps, release_groups, reserve
 from deploy.publisher import WorkerPublisher
 from deploy.room import PlacementError, check_start_room
@@ -133,8 +134,8 @@ class Controller:
             wait_s = self._config.health.start_timeout_s
             reserved = [await reserve(pool, pool.replicas, wait_s) for pool in pools if pool.replicas]
             await self._starter.launch([m for members in reserved for m in members])
-            self._roster.gateway = Member(kind="gateway", index=0)
-            await self._starter.start_gateway(self._roster.gateway)
+            self._starter.gateways.plan()
+            await self._starter.gateways.start_all()
             await self._publisher.publish(force=True)
             await self._health.check_once()
         self._health_task = asyncio.get_running_loop().create_task(self._health.watch(self._lock))
@@ -240,19 +241,24 @@ class Controller:
             self._applying = False
 
     async def _gateway_load_reports(self) -> list[dict[str, Any]]:
-        gateway = self._roster.gateway
-        if gateway is None or gateway.handle is None:
-            raise RuntimeError("the gateway is down: no load to judge the pools by")
-        return [await call(gateway.handle.load_report.remote(), self._config.health.timeout_s)]
+        """Every gateway process's load report; raises unless all answer (a missing one would
+        make the load look smaller than it is)."""
+        gateways = self._roster.gateways
+        down = [g.index for g in gateways if g.handle is None]
+        if not gateways or down:
+            raise RuntimeError(f"gateway(s) {down or 'none'} down: no whole load to judge the pools by")
+        timeout_s = self._config.health.timeout_s
+        return list(await asyncio.gather(*(call(g.handle.load_report.remote(), timeout_s) for g in gateways)))
 
     async def _publish_autoscale(self, state: dict[str, Any]) -> None:
-        gateway = self._roster.gateway
-        if gateway is not None and gateway.handle is not None:
-            await call(gateway.handle.publish_autoscale.remote(state), self._config.health.timeout_s)
+        """The planner's series to every running gateway process's /metrics."""
+        timeout_s = self._config.health.timeout_s
+        running = [g for g in self._roster.gateways if g.handle is not None]
+        await asyncio.gather(*(call(g.handle.publish_autoscale.remote(state), timeout_s) for g in running))
 
     def _ask_ray_for_room(self, name: str | None) -> None:
         more = {name: 1} if name is not None else {}
-        ask_ray_for(wanted_bundles(self._config, self._roster.pools, len(self._roster.stores), more))
+        ask_ray_for(wanted_bundles(self._config, self._roster, more))
 
     def _use_config(self, config: ClusterConfig, targets: list[PoolTarget]) -> None:
         """From now on `config` is what the deployment should be: the pools' targets, the health settings."""
@@ -267,7 +273,8 @@ class Controller:
         return gateway_settings_kwargs(config, self._starter.model_path)
 
     async def stop(self) -> dict[str, int]:
-        """Stop the health loop, then the gateway, the workers and the stores; free placements."""
+        """Stop the autoscaler and the health loop, then the gateways, the workers, the stores and
+        the ledger; free placements."""
         self._stopped = self._health.stopped = self._planner.stopped = True
         for task in (self._planner_task, self._health_task):
             if task is not None:
@@ -275,14 +282,14 @@ class Controller:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         async with self._lock:
-            gateway = self._roster.gateway
+            ledger = [self._roster.ledger] if self._roster.ledger else []
             stages = [
-                [gateway] if gateway else [],
+                list(self._roster.gateways),
                 self._roster.workers(),
-                list(self._roster.stores.values()),
+                [*self._roster.stores.values(), *ledger],
             ]
             drain_s = self._config.health.drain_timeout_s
-            for stage in stages:  # the gateway drains; after it, the workers hold nothing to wait for
+            for stage in stages:  # the gateways drain; after them, the workers hold nothing to wait for
                 await asyncio.gather(
                     *(self._starter.shutdown(m, drain_s if m.kind == "gateway" else 0) for m in stage)
                 )

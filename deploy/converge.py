@@ -205,4 +205,4 @@ def check_room_to_converge(config: ClusterConfig, roster: Roster, targets: list[
         else:  # a new reservation: the old groups hold theirs until their last replica goes
             need += num_replaced
             check_room(target.name, target.spec, need, held)
-        take(held, target.spec.bundle, need)
+        take(held, target.spec.bundle, need * target.spec.num_ranks)

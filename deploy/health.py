@@ -32,8 +32,8 @@ class HealthWatcher:
     whose engine is stuck (`stats_age_s` over `STUCK_AFTER_TIMEOUTS` x `timeout_s`: one step or
     command has run that long), is killed and started again in its own place, at most
     `max_restarts` times within `restart_window_s` (then it is left down, "given up"), and the
-    gateway hears the new addresses. A probe's answers become the member's `stats`. Restarts go
-    stores first, then workers, then the gateway.
+    gateways hear the new addresses. A probe's answers become the member's `stats`. Restarts go
+    stores first, then workers, then the ledger, then the gateways.
 
     A node Ray has lost takes its store out of the roster (nothing can run there again); its
     workers are restarted where Ray re-places their bundles, beside that node's store.
@@ -61,7 +61,7 @@ class HealthWatcher:
                     logger.exception("health pass failed")
 
     async def check_once(self) -> None:
-        """Probe every actor at once; restart the failed ones; tell the gateway what changed."""
+        """Probe every actor at once; restart the failed ones; tell the gateways what changed."""
         self._drop_stores_of_lost_nodes()
         members = self._roster.members()
         reasons = await asyncio.gather(*(self._probe(m) for m in members))

@@ -124,12 +124,12 @@ class ClusterHandle:
 
 def required_resources(config: ClusterConfig) -> dict[str, float]:
     """The logical CPUs, GPUs and pools' custom resources the whole deployment reserves (one
-    store, as on one node)."""
-    need = {"CPU": config.gateway.num_cpus + config.store.num_cpus, "GPU": 0.0}
+    store and the gateway processes, as on one node; a bundle per rank of each replica)."""
+    need = {"CPU": config.gateway.num_cpus * config.gateway.replicas + config.store.num_cpus, "GPU": 0.0}
     for name in config.pool_names:
         pool = config.pool(name)
         for resource, amount in bundle_of(pool).items():
-            need[resource] = need.get(resource, 0.0) + pool.replicas * amount
+            need[resource] = need.get(resource, 0.0) + pool.replicas * pool.tensor_parallel * amount
     return need
 
 

@@ -10,7 +10,7 @@ from deploy.worker_spec import WorkerSpec
 
 @dataclass
 class Member:
-    """One actor the controller owns: a state store, a worker or the gateway.
+    """One actor the controller owns: a state store, a worker, a gateway or the admission ledger.
 
     `handle` is None while the actor is down (between a death and its restart, or for good once
     `given_up`). `group`/`bundle_index` are the placement-group bundle a worker lives in, so a
@@ -18,7 +18,7 @@ class Member:
     again, even when the pool's spec has changed since: its bundle was reserved for it).
     """
 
-    kind: str  # "store", "gateway", "prefill", "decode" or "colocated"
+    kind: str  # "store", "gateway", "ledger", "prefill", "decode" or "colocated"
     index: int
     pool: str | None = None
     node_id: str | None = None
@@ -91,7 +91,8 @@ class Pool:
             "desired_replicas": self.replicas,
             "num_outdated": len(self.outdated()),
             "placement": self.spec.placement,
-            "bundle": self.spec.bundle,
+            "bundle": self.spec.bundle,  # per rank
+            "tensor_parallel": self.spec.num_ranks,
             "node_labels": self.spec.labels,
             "addresses": self.healthy_addresses,
             "num_healthy": sum(m.healthy for m in self.members),
@@ -105,7 +106,8 @@ class Pool:
 
 @dataclass
 class Roster:
-    """Every actor one deployment owns right now: the pools' workers, a store per node, the gateway.
+    """Every actor one deployment owns right now: the pools' workers, a store per node, the
+    gateway processes, and the admission ledger they share when there are several.
 
     Plain records; the controller and its helpers (starter, health watcher, publisher) change
     them only under the controller's lock.
@@ -113,14 +115,17 @@ class Roster:
 
     pools: dict[str, Pool] = field(default_factory=dict)
     stores: dict[str, Member] = field(default_factory=dict)  # node id -> that node's store
-    gateway: Member | None = None
+    gateways: list[Member] = field(default_factory=list)  # by index
+    ledger: Member | None = None  # with several gateways: their shared admission
 
     def workers(self) -> list[Member]:
         return [m for pool in self.pools.values() for m in pool.members]
 
     def members(self) -> list[Member]:
-        """Everything, in the order a health pass restarts it: stores, workers, gateway."""
-        return [*self.stores.values(), *self.workers(), *([self.gateway] if self.gateway else [])]
+        """Everything, in the order a health pass restarts it: stores, workers, the ledger,
+        gateways (a restarted ledger is handed to the gateways running then)."""
+        ledger = [self.ledger] if self.ledger else []
+        return [*self.stores.values(), *self.workers(), *ledger, *self.gateways]
 
     def workers_on(self, node_id: str | None) -> list[Member]:
         return [m for m in self.workers() if m.node_id == node_id]

@@ -1,7 +1,8 @@
 """Where the deployment's actors go: placement groups for the pools, and node id -> IP.
 
 Each pool reserves one placement group per start or step that adds replicas (Ray groups
-cannot grow), one bundle per replica; `reserve` waits for it and fails with `PlacementError` if
+cannot grow), one bundle per replica, or per rank of a tensor-parallel replica (consecutive, on
+one node: its ranks are processes beside the worker's actor, which sits in the first); `reserve` waits for it and fails with `PlacementError` if
 the cluster cannot give it in time. Before waiting, `check_room` (deploy/room.py) fails at once
 when the bundles can never fit. A group is freed only whole, so the bundle of a worker removed
 from a group others still use is kept (`vacate`) and handed to the next worker of the same
@@ -41,14 +42,14 @@ _PLACED_POLL_S = 0.2
 
 
 async def reserve(pool: Pool, count: int, wait_s: float) -> list[Member]:
-    """Reserve `count` bundles of the pool's spec in one new placement group; add and return
-    their members (not started yet)."""
+    """Reserve `count` replicas of the pool's spec in one new placement group, a bundle per rank
+    (consecutive; a member names its first); add and return their members (not started yet)."""
     spec = pool.spec
-    bundle, labels = spec.bundle, spec.labels
+    bundle, labels, ranks = spec.bundle, spec.labels, spec.num_ranks
     group = placement_group(
-        [dict(bundle) for _ in range(count)],
+        [dict(bundle) for _ in range(count * ranks)],
         strategy=spec.placement,
-        bundle_label_selector=[dict(labels) for _ in range(count)] if labels else None,
+        bundle_label_selector=[dict(labels) for _ in range(count * ranks)] if labels else None,
     )
     try:
         await call(group.ready(), wait_s)
@@ -59,16 +60,23 @@ async def reserve(pool: Pool, count: int, wait_s: float) -> list[Member]:
             f"({spec.placement}) within {wait_s:g} s; the Ray cluster has {cluster_has(bundle)}. "
             f"Lower {pool.name}.replicas, num_cpus or num_gpus, free what else holds them, or add nodes."
         ) from None
-    pool.groups.append(group)
     nodes = placement_group_table(group)["bundles_to_node_id"]
+    split = [i for i in range(count) if len({nodes[i * ranks + r] for r in range(ranks)}) > 1]
+    if split:  # PACK spreads what one node cannot hold; a replica's ranks are processes of one node
+        remove_placement_group(group)
+        raise PlacementError(
+            f"pool {pool.name!r}: replica {split[0]}'s {ranks} rank bundles {bundle} landed on different "
+            f"nodes; its ranks run on one node: free room for {ranks} on a node, or use STRICT_PACK"
+        )
+    pool.groups.append(group)
     members = [
         Member(
             kind=pool.role,
             index=pool.next_index + i,
             pool=pool.name,
-            node_id=nodes[i],
+            node_id=nodes[i * ranks],
             group=group,
-            bundle_index=i,
+            bundle_index=i * ranks,
             spec=spec,
         )
         for i in range(count)

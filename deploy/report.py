@@ -22,10 +22,13 @@ def status_line(status: dict[str, Any]) -> str:
     parts = [_pool_part(name, pool) for name, pool in status["pools"].items()]
     stores = status["stores"]
     parts.append(f"stores {sum(s['healthy'] for s in stores)}/{len(stores)}")
-    gateway = status["gateway"]
-    parts.append(f"gateway {'up' if gateway and gateway['healthy'] else 'down'}")
+    gateways = _gateway_rows(status)
+    if len(gateways) > 1:
+        parts.append(f"gateways {sum(g['healthy'] for g in gateways)}/{len(gateways)}")
+    else:
+        parts.append(f"gateway {'up' if gateways and gateways[0]['healthy'] else 'down'}")
     restarts = sum(p["restarts"] for p in status["pools"].values())
-    restarts += sum(s["restarts"] for s in stores) + (gateway["restarts"] if gateway else 0)
+    restarts += sum(s["restarts"] for s in stores) + sum(g["restarts"] for g in gateways)
     state = "healthy" if status["healthy"] else "DEGRADED"
     line = f"{state}: {', '.join(parts)}; {restarts} restarts"
     apply = status.get("apply") or {}
@@ -49,8 +52,10 @@ def unhealthy_parts(status: dict[str, Any]) -> str:
     """The actors that are not healthy, with their last error (for error messages)."""
     rows = [(f"{name} {w['index']}", w) for name, p in status["pools"].items() for w in p["workers"]]
     rows += [(f"store {s['index']}", s) for s in status["stores"]]
-    if status["gateway"]:
-        rows.append(("gateway", status["gateway"]))
+    gateways = _gateway_rows(status)
+    rows += [(f"gateway {g['index']}" if len(gateways) > 1 else "gateway", g) for g in gateways]
+    if status.get("ledger"):
+        rows.append(("ledger", status["ledger"]))
     bad = [f"{label} ({row['error'] or 'not healthy'})" for label, row in rows if not row["healthy"]]
     return "; ".join(bad) or "everything reports healthy"
 
@@ -59,9 +64,14 @@ def status_table(status: dict[str, Any]) -> str:
     """One row per actor: pool, index, address, node, health, restarts, load."""
     header = ("POOL", "#", "ADDRESS", "NODE", "HEALTHY", "RESTARTS", "LOAD")
     rows: list[tuple[str, ...]] = []
-    gateway = status["gateway"]
-    if gateway:
-        rows.append(_row("gateway", gateway, gateway.get("url") or gateway["address"]))
+    for gateway in _gateway_rows(status):
+        address = gateway.get("url") or gateway["address"]
+        own = gateway["stats"].get("own_address")
+        if own and own != gateway["address"]:  # one of several on its port: where it alone answers
+            address = f"{address} (own {own})"
+        rows.append(_row("gateway", gateway, address))
+    if status.get("ledger"):
+        rows.append(_row("ledger", status["ledger"]))
     for name, pool in status["pools"].items():
         label = name if pool["role"] == name else f"{name} ({pool['role']})"
         rows.extend(_row(label, worker) for worker in pool["workers"])
@@ -106,3 +116,10 @@ def _load(stats: dict[str, Any]) -> str:
 
 def _short(key: str) -> str:
     return key.removeprefix("num_")
+
+
+def _gateway_rows(status: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every gateway process's row (a status from before several gateways has only `gateway`)."""
+    if "gateways" in status:
+        return list(status["gateways"])
+    return [status["gateway"]] if status["gateway"] else []

@@ -32,13 +32,17 @@ class PlacementError(RuntimeError):
 def check_room(pool: str, spec: WorkerSpec, count: int, held: Mapping[str, float]) -> None:
     """Raise `PlacementError` now if `count` more bundles of `spec` for `pool` can never be placed.
 
-    `held`: what the rest of this deployment takes, by resource name ("CPU", "GPU").
+    `held`: what the rest of this deployment takes, by resource name ("CPU", "GPU"). A
+    tensor-parallel replica takes one bundle per rank, all on one node.
     """
     bundle, labels = spec.bundle, spec.labels
-    shortfall = _shortfall(bundle, count, spec.placement, held, labels)
+    shortfall = _shortfall(bundle, count * spec.num_ranks, spec.placement, held, labels)
+    if not shortfall and count and spec.num_ranks > 1:
+        shortfall = _ranks_shortfall(bundle, spec.num_ranks, labels)
     if shortfall:
+        ranks = f" ({spec.num_ranks} ranks each)" if spec.num_ranks > 1 else ""
         raise PlacementError(
-            f"pool {pool!r}: cannot reserve {count} x {bundle}{on_labels(labels)} "
+            f"pool {pool!r}: cannot reserve {count}{ranks} x {bundle}{on_labels(labels)} "
             f"({spec.placement}): {shortfall}. Lower {pool}.replicas, num_cpus, num_gpus or "
             "resources, or add nodes."
         )
@@ -47,13 +51,14 @@ def check_room(pool: str, spec: WorkerSpec, count: int, held: Mapping[str, float
 def check_start_room(config: ClusterConfig, pools: Iterable[Pool]) -> None:
     """`check_room` for every pool of a deployment about to start, each after those before it.
 
-    The gateway and one store count as taken from the start (every deployment has them).
+    The head node's gateway processes and one store count as taken from the start (every
+    deployment has them).
     """
-    held = {"CPU": config.gateway.num_cpus + config.store.num_cpus}
+    held = {"CPU": config.gateway.num_cpus * config.gateway.replicas + config.store.num_cpus}
     for pool in pools:
         if pool.replicas:
             check_room(pool.name, pool.spec, pool.replicas, held)
-        take(held, pool.spec.bundle, pool.replicas)
+        take(held, pool.spec.bundle, pool.replicas * pool.spec.num_ranks)
 
 
 def take(held: dict[str, float], bundle: Mapping[str, float], count: int) -> None:
@@ -65,7 +70,7 @@ def take(held: dict[str, float], bundle: Mapping[str, float], count: int) -> Non
 def held_resources(config: ClusterConfig, roster: Roster) -> dict[str, float]:
     """What the deployment holds now: every bundle of its placement groups (a group keeps the
     bundles of replicas that a resize removed until all of its replicas are gone), and the
-    CPUs of its running stores and gateway."""
+    CPUs of its running stores and gateway processes."""
     held: dict[str, float] = {}
     for pool in roster.pools.values():
         for group in pool.groups:
@@ -73,8 +78,7 @@ def held_resources(config: ClusterConfig, roster: Roster) -> dict[str, float]:
                 take(held, bundle, 1)
     num_stores = sum(store.handle is not None for store in roster.stores.values())
     cpus = num_stores * config.store.num_cpus
-    if roster.gateway is not None and roster.gateway.handle is not None:
-        cpus += config.gateway.num_cpus
+    cpus += sum(gateway.handle is not None for gateway in roster.gateways) * config.gateway.num_cpus
     held["CPU"] = held.get("CPU", 0.0) + cpus
     return held
 
@@ -132,6 +136,19 @@ def _shortfall(
                 f"of which the rest of this deployment takes {taken:g} (free now: {free:g})"
             )
     return None
+
+
+def _ranks_shortfall(bundle: dict[str, float], num_ranks: int, labels: Mapping[str, str]) -> str | None:
+    """Why no node can ever hold one replica's `num_ranks` bundles (its ranks share a node), or None."""
+    nodes = [
+        node["Resources"]
+        for node in ray.nodes()
+        if node["Alive"] and labels_match(node.get("Labels") or {}, labels)
+    ]
+    roomiest = max((_num_fitting(node, bundle) for node in nodes), default=0)
+    if roomiest >= num_ranks:
+        return None
+    return f"a replica's {num_ranks} ranks run on one node; the roomiest holds {roomiest} of their bundles"
 
 
 def cluster_has(names: Iterable[str]) -> str:

@@ -11,10 +11,11 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from deploy.actors import DEFAULT_CLASSES, StartError, gateway_settings_kwargs, load_actor_class
+from deploy.actors import DEFAULT_CLASSES, StartError, load_actor_class
 from deploy.calls import call, cause
+from deploy.gateway_starter import GatewayStarter
 from deploy.members import Member, Roster
-from deploy.placement import HEAD_NODE_RESOURCE, NodeIps, placed_node
+from deploy.placement import NodeIps, placed_node
 from deploy.worker_spec import WorkerSpec
 from splitserve.config import ClusterConfig
 
@@ -34,7 +35,8 @@ class ActorStarter:
 
     Owns the actor classes (loaded on first use; `overrides` replaces any kind, see
     deploy/actors.py) and the model path, resolved once in `prepare`; each worker is built from
-    its own `WorkerSpec` (deploy/worker_spec.py). Every worker gets the address of its own
+    its own `WorkerSpec` (deploy/worker_spec.py); the gateways and their ledger through
+    `gateways` (deploy/gateway_starter.py). Every worker gets the address of its own
     node's store, which is started first; a member whose `start()` fails or overruns
     `health.start_timeout_s` raises `StartError` naming it. Every actor is handed the
     deployment's `cluster_token` (splitserve.rpc_auth) through Ray before its `start()`, so its
@@ -61,6 +63,7 @@ class ActorStarter:
             )
         self._classes: dict[str, Any] = {}
         self.model_path: str | None = None
+        self.gateways = GatewayStarter(self, roster)
 
     async def prepare(self) -> None:
         """Resolve the model path (the embedded model may be built here)."""
@@ -89,7 +92,7 @@ class ActorStarter:
     async def start_store(self, store: Member, port: int = 0) -> None:
         cfg = self.config.store
         assert store.node_id is not None  # a store always belongs to one node
-        cls = self._actor_class("store")
+        cls = self.actor_class("store")
         # named only when set, so an actor class without the argument (a test's fake) still fits
         engine = {} if cfg.transfer_engine == "none" else {"transfer_engine": cfg.transfer_engine}
         store.handle = cls.options(
@@ -97,7 +100,7 @@ class ActorStarter:
             max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(store.node_id, soft=False),
         ).remote(cfg.memory_bytes, cfg.disk.path, cfg.disk.bytes, cfg.lease_s, **engine)
-        store.address = await self._started_at(store, self._node_ips.ip(store.node_id), port)
+        store.address = await self.started_at(store, self._node_ips.ip(store.node_id), port)
 
     async def start_worker(self, worker: Member) -> None:
         """Create the worker in its bundle beside its node's store and start it. A bundle whose
@@ -105,7 +108,7 @@ class ActorStarter:
         assert worker.pool is not None
         spec = worker.spec
         assert spec is not None  # a worker is placed for a spec
-        cls = self._actor_class(worker.kind)
+        cls = self.actor_class(worker.kind)
         for _ in range(MAX_MOVES + 1):
             node_id = await placed_node(worker, self.config.health.start_timeout_s)
             store = await self.ensure_store(node_id)
@@ -119,9 +122,7 @@ class ActorStarter:
                 ),
             ).remote(spec.engine, store.address)
             try:
-                worker.address = await self._started_at(
-                    worker, self._node_ips.ip(node_id), 0, on_node=node_id
-                )
+                worker.address = await self.started_at(worker, self._node_ips.ip(node_id), 0, on_node=node_id)
                 return
             except _Moved:
                 logger.warning(
@@ -135,21 +136,14 @@ class ActorStarter:
             f"{worker.kind} {worker.index}: its bundle moved between nodes {MAX_MOVES + 1} times while it started"
         )
 
-    async def start_gateway(self, gateway: Member) -> None:
-        cfg = self.config.gateway
-        kwargs = gateway_settings_kwargs(self.config, self.model_path)
-        settings = self._actor_class("gateway_settings")(**kwargs)
-        cls = self._actor_class("gateway")
-        gateway.handle = cls.options(
-            num_cpus=cfg.num_cpus, max_restarts=0, resources={HEAD_NODE_RESOURCE: 0.001}
-        ).remote(settings)
-        gateway.address = await self._started_at(gateway, cfg.host, cfg.port)
-
     async def start_again(self, member: Member) -> None:
         """Start a member that died, in its own place: a store on its node (on its old port if it
-        can, else its workers start afresh with the new address), a worker in its bundle."""
+        can, else its workers start afresh with the new address), a worker in its bundle, a
+        gateway on its node and port, the ledger (handed to the gateways running)."""
         if member.kind == "gateway":
-            await self.start_gateway(member)
+            await self.gateways.start_gateway(member)
+        elif member.kind == "ledger":
+            await self.gateways.start_ledger(member)
         elif member.kind == "store":
             old = member.address
             try:  # the same port keeps the workers' store address valid
@@ -179,9 +173,12 @@ class ActorStarter:
         if member.handle is not None:
             with contextlib.suppress(Exception):
                 ray.kill(member.handle, no_restart=True)
+            if member.kind == "gateway":
+                self.gateways.forget(member)
+                member.stats = {}  # its own_address was the dead process's
         member.handle, member.healthy = None, False
 
-    async def _started_at(self, member: Member, host: str, port: int, on_node: str | None = None) -> str:
+    async def started_at(self, member: Member, host: str, port: int, on_node: str | None = None) -> str:
         """Learn the new actor's node and pid, call its `start(host, port)`, mark it healthy;
         return its address. `_Moved` when it runs elsewhere than `on_node` (then not started)."""
         timeout_s = self.config.health.start_timeout_s
@@ -205,7 +202,7 @@ class ActorStarter:
         logger.info("%s %d started at %s", member.kind, member.index, address)
         return str(address)
 
-    def _actor_class(self, kind: str) -> Any:
+    def actor_class(self, kind: str) -> Any:
         if kind not in self._classes:
             self._classes[kind] = load_actor_class(kind, self._overrides.get(kind))
         return self._classes[kind]

@@ -26,19 +26,25 @@ def build_status(
     autoscale: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Everything at a glance: per pool replicas (desired and running), addresses, health,
-    restarts and load; per worker, store and gateway its place, process, health and what it last
-    reported; the last apply's plan and steps (`apply`); per autoscaled pool its bounds, desired
-    and actual replicas and the planner's last decision (`autoscale`)."""
+    restarts and load; per worker, store, gateway process and the admission ledger its place,
+    process, health and what it last reported; the last apply's plan and steps (`apply`); per
+    autoscaled pool its bounds, desired and actual replicas and the planner's last decision
+    (`autoscale`). `gateway` is the first gateway process's row (the one URL clients need),
+    `gateways` all."""
     ips = node_ips.known
     pools = {name: pool.summary(ips) for name, pool in roster.pools.items()}
-    gateway = roster.gateway.row(ips) if roster.gateway else None
-    if gateway is not None:
-        gateway["url"] = _gateway_url(roster.gateway, node_ips)
+    gateways = []
+    for member in roster.gateways:
+        row = member.row(ips)
+        row["url"] = _gateway_url(member, node_ips)
+        gateways.append(row)
+    ledger = roster.ledger.row(ips) if roster.ledger else None
     stores = [store.row(ips) for store in roster.stores.values()]
-    everything = [gateway, *stores] if gateway else stores
+    everything = [*gateways, *stores, *([ledger] if ledger else [])]
     healthy = (
         started
         and not stopped
+        and bool(gateways)
         and all(p["healthy"] for p in pools.values())
         and all(row["healthy"] for row in everything)
     )
@@ -48,7 +54,9 @@ def build_status(
         "started": started,
         "stopped": stopped,
         "healthy": healthy,
-        "gateway": gateway,
+        "gateway": gateways[0] if gateways else None,
+        "gateways": gateways,
+        "ledger": ledger,
         "pools": pools,
         "stores": stores,
         "published": {"prefill": published[0], "decode": published[1]} if published else None,
@@ -57,8 +65,8 @@ def build_status(
     }
 
 
-def _gateway_url(gateway: Member | None, node_ips: NodeIps) -> str | None:
-    if gateway is None or gateway.address is None:
+def _gateway_url(gateway: Member, node_ips: NodeIps) -> str | None:
+    if gateway.address is None:
         return None
     host, _, port = gateway.address.rpartition(":")
     if host in ("0.0.0.0", "::", "[::]"):  # bound to every interface: name the node's own

@@ -19,7 +19,12 @@ from splitserve.engine_config import EngineConfig
 @dataclass(frozen=True)
 class WorkerSpec:
     """A worker's engine config and its Ray reservation: CPUs, GPUs, custom resources, the node
-    labels its node must carry, and the placement strategy of the group it is reserved in."""
+    labels its node must carry, and the placement strategy of the group it is reserved in.
+
+    A tensor-parallel worker (`num_ranks` = its engine's `tensor_parallel_size` > 1) reserves one
+    `bundle` per rank, consecutive in its group: the worker's actor (rank 0) sits in the first,
+    the other ranks' processes run beside it on the same node (`deploy/placement.py` checks).
+    """
 
     engine: EngineConfig
     num_cpus: float
@@ -41,8 +46,13 @@ class WorkerSpec:
 
     @property
     def bundle(self) -> dict[str, float]:
-        """The Ray resources one replica reserves: its CPUs, GPUs and custom resources."""
+        """The Ray resources one rank of a replica reserves: its CPUs, GPUs and custom resources."""
         return _bundle(self.num_cpus, self.num_gpus, dict(self.resources))
+
+    @property
+    def num_ranks(self) -> int:
+        """Bundles per replica: one per tensor-parallel rank."""
+        return self.engine.tensor_parallel_size
 
     @property
     def labels(self) -> dict[str, str]:
@@ -50,8 +60,9 @@ class WorkerSpec:
 
     def same_reservation(self, other: WorkerSpec | None) -> bool:
         """Whether a bundle reserved for `other` fits this spec exactly (so it can take it over)."""
-        return other is not None and (self.bundle, self.node_labels, self.placement) == (
+        return other is not None and (self.bundle, self.num_ranks, self.node_labels, self.placement) == (
             other.bundle,
+            other.num_ranks,
             other.node_labels,
             other.placement,
         )

@@ -3,8 +3,8 @@
 It serves the real `splitserve.v1.Prefill` and `splitserve.v1.Decode` services on one gRPC
 server (grpc.aio, so a stream costs no thread) and does no work at all: Reserve accepts at
 once, Prefill returns the first token at once, Decode streams the rest as fast as the server
-can write. Whatever time a client measures through the gateway beyond what it measures against
-this worker directly is the gateway's.
+can write, CacheReport tells of an empty prefix cache. Whatever time a client measures through
+the gateway beyond what it measures against this worker directly is the gateway's.
 
 Tokens are deterministic and prompt-derived: output position i (the prefill's token is 0) is
 prompt token `i mod len(prompt)`. `max_tokens`, `ignore_eos`, `stop_token_ids` and
@@ -185,6 +185,10 @@ class InstantWorker(
                 )
             )
         return response
+
+    async def CacheReport(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
+        """An empty prefix cache, as a snapshot: the prefix-aware router polls every prefill worker."""
+        return prefill_pb2.PrefixCacheReport(instance_id="instant-worker", snapshot=True)
 
     # Rules -------------------------------------------------------------------------------------
 

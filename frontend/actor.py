@@ -1,8 +1,10 @@
 """The gateway as a Ray actor (no GPU): start, resize its worker pools live, report, stop.
 
 `GatewayActor` is a plain class, so it also runs in a plain process; `remote_gateway_actor()`
-wraps it with `ray.remote(num_gpus=0)`. This module imports ray only inside that function and
-never torch.
+wraps it with `ray.remote(num_gpus=0)`. One of several gateway processes (`num_gateways` > 1 in
+its settings) shares its port and admits through the deployment's ledger, which the controller
+names with `use_ledger` (frontend/ledger_actor.py). This module imports ray only inside
+functions and never torch.
 """
 
 from __future__ import annotations
@@ -40,8 +42,21 @@ class GatewayActor:
             return self._server.address
         host = self.settings.host if host is None else host
         port = self.settings.port if port is None else port
-        self._server = GatewayServer(self.app, host, port)
+        self._server = GatewayServer(self.app, host, port, shared=self.settings.num_gateways > 1)
         return self._server.start()
+
+    def use_ledger(self, ledger: Any, gateway_index: int) -> None:
+        """Admit through the ledger actor `ledger` as gateway `gateway_index` (a Ray actor only)."""
+        import ray
+
+        from frontend.ledger_actor import RayLedgerClient
+
+        me = ray.get_runtime_context().current_actor
+        self.app.state.admission_queue.attach(RayLedgerClient(ledger, gateway_index, me))
+
+    def ledger_notice(self, seq: int, contended: bool) -> None:
+        """The ledger's word that contention started or ended (see frontend/admission_ledger.py)."""
+        self.app.state.admission_queue.notice_threadsafe(seq, contended)
 
     def update_workers(
         self,
@@ -65,9 +80,11 @@ class GatewayActor:
     def health(self) -> dict[str, Any]:
         num_prefill = len(self.router.prefill_addresses)
         num_decode = len(self.router.decode_addresses)
+        server = self._server
         return {
-            "serving": self._server is not None and self._server.running,
-            "address": self._server.address if self._server is not None else None,
+            "serving": server is not None and server.running,
+            "address": server.address if server is not None else None,
+            "own_address": server.own_address if server is not None else None,
             "prefill_workers": num_prefill,
             "decode_workers": num_decode,
             "ready": num_prefill > 0 and num_decode > 0,

@@ -25,6 +25,7 @@ import asyncio
 import collections
 import logging
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -85,7 +86,7 @@ class QueueMetrics:
 class Ticket:
     """The slots one admitted request holds; `release()` gives them back (idempotent)."""
 
-    queue: AdmissionQueue
+    give_back: Callable[[int], None]  # its queue's: takes the slots back
     num_slots: int
     queued_s: float = 0.0
     released: bool = field(default=False)
@@ -93,7 +94,34 @@ class Ticket:
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.queue._give_back(self.num_slots)
+            self.give_back(self.num_slots)
+
+
+def queue_full(num_waiting: int, max_queued_requests: int) -> GatewayError:
+    """The 429 for a request that finds `max_queued_requests` already waiting."""
+    return over_capacity(
+        f"the decode pool is full and {num_waiting} requests are already waiting "
+        f"(gateway.max_queued_requests = {max_queued_requests}); retry after {RETRY_AFTER_S} s"
+    )
+
+
+def never_fits(num_slots: int, capacity_slots: int) -> GatewayError:
+    """The 400 for a request needing more slots than the whole decode pool has."""
+    return GatewayError(
+        400,
+        f"this request needs {num_slots} decode slots (one per prompt and choice) but the whole "
+        f"decode pool holds {capacity_slots}; send at most {capacity_slots} prompts per request",
+        code="request_too_large",
+    )
+
+
+def queue_timeout(timeout_s: float) -> GatewayError:
+    """The 503 for a request that waited `timeout_s` in the queue without being admitted."""
+    return GatewayError(
+        503,
+        f"no decode room freed within {timeout_s:g} s of waiting in the admission queue; retry later",
+        code="queue_timeout",
+    )
 
 
 @dataclass(eq=False)
@@ -102,13 +130,12 @@ class _Waiter:
     admitted: asyncio.Future[None]
 
 
-class AdmissionQueue:
-    """Owns the slot ledger and the FIFO of requests waiting for room.
-
-    Promises: admission is FIFO (a request never overtakes one that queued before it); a request
-    is refused only past `max_queued_requests` waiting (429) or when it can never fit (400);
-    a waiter that is cancelled (its client left) leaves the queue and holds nothing.
-    """
+class SlotAdmission(ABC):
+    """What every admission queue has: the decode pool's slots as last measured
+    (`capacity_slots`), the slots its admitted requests use, its series. `acquire` admits a
+    request (a `Ticket`), waiting for room; `set_capacity` is the load monitor's measurement.
+    This gateway's queue (`AdmissionQueue`) or its part of the deployment's
+    (`frontend.shared_admission.SharedAdmissionQueue`, with several gateway processes)."""
 
     def __init__(
         self,
@@ -123,12 +150,65 @@ class AdmissionQueue:
         self.measuring_wait_s = measuring_wait_s
         self.capacity_slots: int | None = None
         self.num_slots_in_use = 0
-        self._waiters: collections.deque[_Waiter] = collections.deque()
+        self._setup()
+
+    @abstractmethod
+    def _setup(self) -> None:
+        """Set up what the subclass owns besides (called by the constructor)."""
+
+    @abstractmethod
+    async def acquire(self, num_slots: int, timeout_s: float) -> Ticket: ...
+
+    @abstractmethod
+    def set_capacity(self, capacity_slots: int | None) -> None: ...
+
+    @property
+    @abstractmethod
+    def num_queued(self) -> int:
+        """Requests of this gateway waiting for room."""
 
     @property
     def measuring(self) -> bool:
         """Decode workers are listed but none has answered Stats yet: requests wait for it."""
         return self.capacity_slots is None and self.decode_listed()
+
+    def _refuse_if_never_fits(self, num_slots: int) -> None:
+        capacity = self.capacity_slots
+        if capacity is not None and num_slots > capacity:
+            self._count_refusal("never_fits")
+            raise never_fits(num_slots, capacity)
+
+    def _take(self, num_slots: int) -> None:
+        self.num_slots_in_use += num_slots
+        self.metrics.in_use.labels(self.metrics.model_name).set(self.num_slots_in_use)
+
+    def _untake(self, num_slots: int) -> None:
+        self.num_slots_in_use -= num_slots
+        self.metrics.in_use.labels(self.metrics.model_name).set(self.num_slots_in_use)
+
+    def _observe_queued(self, queued_s: float) -> None:
+        self.metrics.queued_s.labels(self.metrics.model_name).observe(queued_s)
+
+    def _set_capacity_gauge(self) -> None:
+        self.metrics.capacity.labels(self.metrics.model_name).set(self.capacity_slots or 0)
+
+    def _set_depth(self) -> None:
+        self.metrics.depth.labels(self.metrics.model_name).set(self.num_queued)
+
+    def _count_refusal(self, reason: str) -> None:
+        self.metrics.refusals.labels(self.metrics.model_name, reason).inc()
+
+
+class AdmissionQueue(SlotAdmission):
+    """Owns the slot ledger and the FIFO of requests waiting for room.
+
+    Promises: admission is FIFO (a request never overtakes one that queued before it); a request
+    is refused only past `max_queued_requests` waiting (429) or when it can never fit (400);
+    a waiter that is cancelled (its client left) leaves the queue and holds nothing.
+    """
+
+    def _setup(self) -> None:
+        self._waiters: collections.deque[_Waiter] = collections.deque()
 
     @property
     def num_queued(self) -> int:
@@ -138,7 +218,7 @@ class AdmissionQueue:
         """The decode pool's slots as last measured (None or 0: unknown; admit everything unless
         `measuring`)."""
         self.capacity_slots = capacity_slots or None
-        self.metrics.capacity.labels(self.metrics.model_name).set(capacity_slots or 0)
+        self._set_capacity_gauge()
         self._admit_waiters()
 
     async def acquire(self, num_slots: int, timeout_s: float) -> Ticket:
@@ -151,11 +231,7 @@ class AdmissionQueue:
             return self._admit(num_slots, 0.0)
         if len(self._waiters) >= self.max_queued_requests:
             self._count_refusal("queue_full")
-            raise over_capacity(
-                f"the decode pool is full and {len(self._waiters)} requests are already waiting "
-                f"(gateway.max_queued_requests = {self.max_queued_requests}); retry after "
-                f"{RETRY_AFTER_S} s"
-            )
+            raise queue_full(len(self._waiters), self.max_queued_requests)
         waiter = _Waiter(num_slots, asyncio.get_running_loop().create_future())
         self._waiters.append(waiter)
         self._set_depth()
@@ -166,16 +242,11 @@ class AdmissionQueue:
             self._leave(waiter)
             if isinstance(exc, asyncio.TimeoutError):
                 self._count_refusal("queue_timeout")
-                raise GatewayError(
-                    503,
-                    f"no decode room freed within {timeout_s:g} s of waiting in the admission queue; "
-                    "retry later",
-                    code="queue_timeout",
-                ) from None
+                raise queue_timeout(timeout_s) from None
             raise
         # Admitted: the ledger already counts the slots (see _admit_waiters).
-        ticket = Ticket(self, num_slots, time.monotonic() - start_s)
-        self.metrics.queued_s.labels(self.metrics.model_name).observe(ticket.queued_s)
+        ticket = Ticket(self._give_back, num_slots, time.monotonic() - start_s)
+        self._observe_queued(ticket.queued_s)
         return ticket
 
     async def _wait_admitted(self, waiter: _Waiter, timeout_s: float) -> None:
@@ -209,17 +280,6 @@ class AdmissionQueue:
             self._set_depth()
             self._admit_waiters()  # a large head leaving may let the next ones in
 
-    def _refuse_if_never_fits(self, num_slots: int) -> None:
-        capacity = self.capacity_slots
-        if capacity is not None and num_slots > capacity:
-            self._count_refusal("never_fits")
-            raise GatewayError(
-                400,
-                f"this request needs {num_slots} decode slots (one per prompt and choice) but the whole "
-                f"decode pool holds {capacity}; send at most {capacity} prompts per request",
-                code="request_too_large",
-            )
-
     def _fits(self, num_slots: int) -> bool:
         if self.capacity_slots is None:
             return not self.measuring
@@ -227,16 +287,11 @@ class AdmissionQueue:
 
     def _admit(self, num_slots: int, queued_s: float) -> Ticket:
         self._take(num_slots)
-        self.metrics.queued_s.labels(self.metrics.model_name).observe(queued_s)
-        return Ticket(self, num_slots, queued_s)
-
-    def _take(self, num_slots: int) -> None:
-        self.num_slots_in_use += num_slots
-        self.metrics.in_use.labels(self.metrics.model_name).set(self.num_slots_in_use)
+        self._observe_queued(queued_s)
+        return Ticket(self._give_back, num_slots, queued_s)
 
     def _give_back(self, num_slots: int) -> None:
-        self.num_slots_in_use -= num_slots
-        self.metrics.in_use.labels(self.metrics.model_name).set(self.num_slots_in_use)
+        self._untake(num_slots)
         self._admit_waiters()
 
     def _admit_waiters(self) -> None:
@@ -256,9 +311,3 @@ class AdmissionQueue:
             self._take(head.num_slots)
             head.admitted.set_result(None)
         self._set_depth()
-
-    def _set_depth(self) -> None:
-        self.metrics.depth.labels(self.metrics.model_name).set(len(self._waiters))
-
-    def _count_refusal(self, reason: str) -> None:
-        self.metrics.refusals.labels(self.metrics.model_name, reason).inc()

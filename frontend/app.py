@@ -16,7 +16,7 @@ from pathlib import Path
 from fastapi import Depends, FastAPI
 
 from frontend.admission import Admission, AdmissionMiddleware
-from frontend.admission_queue import AdmissionQueue, QueueMetrics
+from frontend.admission_queue import AdmissionQueue, QueueMetrics, SlotAdmission
 from frontend.auth import api_key_checker
 from frontend.body_limit import BodyLimit
 from frontend.cache_monitor import CacheMonitor
@@ -32,6 +32,7 @@ from frontend.router import Router, make_router
 from frontend.routes import chat, completions, health, metrics, models
 from frontend.schema_bounds import Bounds
 from frontend.settings import GatewaySettings
+from frontend.shared_admission import SharedAdmissionQueue
 from splitserve.tokenizer import Tokenizer
 
 
@@ -46,7 +47,9 @@ def build_app(
     router = router if router is not None else make_router(settings.router_policy, settings.prefix_unit)
     clients = clients if clients is not None else WorkerClients(settings.rpc_timeout_s)
     gateway_metrics = GatewayMetrics(settings.model_name)
-    queue = AdmissionQueue(
+    # one gateway process admits alone; several admit through the deployment's ledger
+    queue_class = SharedAdmissionQueue if settings.num_gateways > 1 else AdmissionQueue
+    queue = queue_class(
         settings.max_queued_requests, QueueMetrics(gateway_metrics), lambda: bool(router.decode_addresses)
     )
     monitor = LoadMonitor(router, clients, gateway_metrics, settings.stats_refresh_s, queue.set_capacity)
@@ -60,7 +63,7 @@ def build_app(
         settings, router, clients, gateway_metrics, tokenizer, monitor.on_route, prefix_metrics, monitor.probe
     )
 
-    app = FastAPI(title="splitserve gateway", lifespan=_lifespan(monitor, clients, cache_monitor))
+    app = FastAPI(title="splitserve gateway", lifespan=_lifespan(monitor, clients, cache_monitor, queue))
     app.state.settings = settings  # the server reads its connection limits here (frontend.server)
     app.state.on_refusal = gateway_metrics.observe_refusal  # and counts what its protocol refuses
     app.state.pipeline = pipeline
@@ -84,13 +87,19 @@ def build_app(
 
 
 def _lifespan(
-    monitor: LoadMonitor, clients: WorkerClients, cache_monitor: CacheMonitor | None = None
+    monitor: LoadMonitor,
+    clients: WorkerClients,
+    cache_monitor: CacheMonitor | None = None,
+    queue: SlotAdmission | None = None,
 ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     """What runs while the app serves: the load monitor (and the prefix cache poll, with caching
-    on); on the way out, the channels close."""
+    on; and a shared admission queue's registration with its ledger); on the way out, the
+    channels close."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if isinstance(queue, SharedAdmissionQueue):
+            queue.start()
         monitor.start()
         if cache_monitor is not None:
             cache_monitor.start()

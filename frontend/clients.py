@@ -144,10 +144,12 @@ class WorkerClients:
         call = self._decode(address).Stats(decode_pb2.DecodeStatsRequest(), timeout=self.rpc_timeout_s)
         return await self._unary(call, "Decode.Stats", address)
 
-    async def cache_report(self, address: str) -> prefill_pb2.PrefixCacheReport:
-        call = self._prefill(address).CacheReport(
-            prefill_pb2.CacheReportRequest(), timeout=self.rpc_timeout_s
-        )
+    async def cache_report(
+        self, address: str, instance_id: str = "", after_seq: int = 0
+    ) -> prefill_pb2.PrefixCacheReport:
+        """The worker's prefix events after this reader's cursor (none: a snapshot)."""
+        request = prefill_pb2.CacheReportRequest(instance_id=instance_id, after_seq=after_seq)
+        call = self._prefill(address).CacheReport(request, timeout=self.rpc_timeout_s)
         return await self._unary(call, "Prefill.CacheReport", address)
 
     async def serving(self, address: str) -> bool:

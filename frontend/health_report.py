@@ -61,7 +61,9 @@ def health_report(
         problems.append("no decode worker can take a request")
     elif not prefill_ok:
         if prefill_fallback == "decode_local":
-            problems.append("no prefill worker can take a prompt: decode workers compute prompts (decode_local)")
+            problems.append(
+                "no prefill worker can take a prompt: decode workers compute prompts (decode_local)"
+            )
         else:
             problems.append("no prefill worker can take a prompt (prefill.fallback: fail)")
     serving = bool(decode_ok) and (bool(prefill_ok) or prefill_fallback == "decode_local")

@@ -9,7 +9,9 @@ the gateway's error body on what never reaches the app.
   `keep_alive_timeout_s` (uvicorn's own keep-alive timer, given that value). A request read whole
   is the app's: no read deadline runs while it works or streams its answer.
 * A cap on the connections one client address holds open: past it, a new connection gets a 429
-  and is closed (after reading out what the client sent, so the client sees the answer).
+  and is closed (after reading out what the client sent, so the client sees the answer). The cap
+  is the deployment's: with several gateway processes each holds one address to its share
+  (`ConnectionLimits.per_process_cap`), so together they never admit more than the cap.
 * A request that is not valid HTTP/1.1 (two Content-Lengths, a negative one, a broken chunk) is
   answered in the OpenAI error shape, not with uvicorn's plain text.
 
@@ -58,7 +60,8 @@ class ConnectionLimits:
     body_read_timeout_s: float
     request_read_timeout_s: float
     keep_alive_timeout_s: float
-    max_connections_per_client: int | None
+    max_connections_per_client: int | None  # the deployment's, over all its gateway processes
+    num_gateways: int = 1  # gateway processes sharing that cap
 
     @classmethod
     def of(cls, settings: GatewaySettings) -> ConnectionLimits:
@@ -68,7 +71,14 @@ class ConnectionLimits:
             settings.request_read_timeout_s,
             settings.keep_alive_timeout_s,
             settings.max_connections_per_client,
+            settings.num_gateways,
         )
+
+    @property
+    def per_process_cap(self) -> int | None:
+        """Connections one address may hold to this process: its even share of the cap (at least 1)."""
+        cap = self.max_connections_per_client
+        return None if cap is None else max(1, cap // self.num_gateways)
 
 
 class ClientConnections:
@@ -109,7 +119,7 @@ class GatewayHTTPConfig(uvicorn.Config):
         keep_alive_s: Any = limits.keep_alive_timeout_s
         super().__init__(app, http=GatewayH11Protocol, timeout_keep_alive=keep_alive_s, **kwargs)
         self.limits = limits
-        self.clients = ClientConnections(limits.max_connections_per_client)
+        self.clients = ClientConnections(limits.per_process_cap)
         self.on_refusal = on_refusal
 
 
@@ -250,9 +260,17 @@ class GatewayH11Protocol(H11Protocol):
     def _refuse_connection(self) -> None:
         self._refused = True
         self.on_refusal("too_many_connections")
+        limits = self.limits
+        if limits.num_gateways > 1:
+            most = (
+                f"this gateway process's share of gateway.max_connections_per_client "
+                f"({limits.max_connections_per_client}) over its {limits.num_gateways} processes"
+            )
+        else:
+            most = "the most one address may (gateway.max_connections_per_client)"
         message = (
-            f"this client address already holds {self.clients.max_per_client} open connections, the "
-            "most one address may (gateway.max_connections_per_client); reuse or close some, then retry"
+            f"this client address already holds {self.clients.max_per_client} open connections, {most}; "
+            "reuse or close some, then retry"
         )
         self._write_error(429, message, "too_many_connections", {"retry-after": "1"})
         if self.transport.can_write_eof():  # read out the request, then close: the client sees no reset

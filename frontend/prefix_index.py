@@ -60,7 +60,7 @@ class PrefixIndex:
         """The engine behind `address` is `instance_id`; a different one than before holds nothing."""
         previous = self._instances.get(address)
         if previous is not None and previous != instance_id:
-            self._forget(address)
+            self.forget(address)
         self._instances[address] = instance_id
 
     def keep_only(self, addresses: Iterable[str]) -> None:
@@ -69,7 +69,7 @@ class PrefixIndex:
         gone = {a for holders in self._holders.values() for a in holders} - keep
         gone |= set(self._instances) - keep
         for address in gone:
-            self._forget(address)
+            self.forget(address)
 
     def match(self, chain: Sequence[bytes]) -> dict[str, int]:
         """Prompt tokens each worker is believed to hold of the prefix `chain` names.
@@ -102,7 +102,8 @@ class PrefixIndex:
             if not holders:
                 del self._holders[block_hash]
 
-    def _forget(self, address: str) -> None:
+    def forget(self, address: str) -> None:
+        """Believe `address` holds nothing (a snapshot of it follows, or it left)."""
         self._instances.pop(address, None)
         for block_hash in [h for h, holders in self._holders.items() if address in holders]:
             self._remove(block_hash, address)

@@ -4,7 +4,9 @@ Two views. The gateway's own, from every Prefill response: prompt tokens sent (q
 served from a cache (hit), as counters. The engines', from each prefill worker's
 `Prefill.CacheReport`: its counters since its engine started, as gauges per worker (a worker
 restart starts them again from 0, which a gauge may do and a counter may not). Hits there are
-split by tier: `engine` (the worker's own cache) and `store` (imported from a state store).
+split by tier: `engine` (the worker's own cache) and `store` (imported from a state store); and
+the last of its prefix events this gateway applied (its cursor: several gateways agree on it once
+each has read the worker's report).
 """
 
 from __future__ import annotations
@@ -69,6 +71,12 @@ class PrefixMetrics:
             "Prefix cache entries evicted since the engine started",
             *worker,
         )
+        self.report_seq = gauge(
+            "splitserve_prefix_report_seq",
+            "The last prefix event of the worker's engine this gateway applied to its routing index "
+            "(its CacheReport cursor; gateways of one deployment agree once each has read it)",
+            *worker,
+        )
 
     def observe_prefill(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         self.queried_tokens.labels(self.model_name).inc(num_prompt_tokens)
@@ -91,6 +99,7 @@ class PrefixMetrics:
             self.engine_snapshot_bytes,
             self.engine_snapshots,
             self.engine_evictions,
+            self.report_seq,
         )
 
     def observe_report(self, worker: str, report: prefill_pb2.PrefixCacheReport) -> None:
@@ -102,3 +111,4 @@ class PrefixMetrics:
         self.engine_snapshot_bytes.labels(*labels).set(report.snapshot_bytes)
         self.engine_snapshots.labels(*labels).set(report.num_snapshots)
         self.engine_evictions.labels(*labels).set(report.num_evictions)
+        self.report_seq.labels(*labels).set(report.last_seq)

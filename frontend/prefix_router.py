@@ -86,10 +86,14 @@ class PrefixAwareRouter(LeastLoadRouter):
             if address in self._outstanding:
                 self.index.record_sent(address, prefix_hashes, self.prefix_unit)
 
-    def observe_cache_events(self, address: str, instance_id: str, events: Sequence[CacheEvent]) -> None:
+    def observe_cache_events(
+        self, address: str, instance_id: str, events: Sequence[CacheEvent], snapshot: bool = False
+    ) -> None:
         with self._lock:
             if address not in self._outstanding:
                 return  # not (or no longer) a prefill worker: nothing to route by
+            if snapshot:
+                self.index.forget(address)
             self.index.observe_instance(address, instance_id)
             self.index.apply(address, events)
 

@@ -62,7 +62,9 @@ def valid_prompt(prompt: Any) -> str | list[str] | list[int] | list[list[int]]:
             if fast is not None:
                 return fast
         elif type(prompt[0]) is list:
-            batch = [_plain_token_ids(p) if p and type(p[0]) is int else None for p in prompt]
+            batch = [
+                _plain_token_ids(p) if type(p) is list and p and type(p[0]) is int else None for p in prompt
+            ]
             if all(ids is not None for ids in batch):
                 return [ids for ids in batch if ids is not None]
     return _general_prompt(prompt)

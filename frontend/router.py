@@ -109,9 +109,10 @@ class Router(ABC):
         """A prompt with this prefix chain was sent to prefill worker `address`."""
 
     def observe_cache_events(  # noqa: B027
-        self, address: str, instance_id: str, events: Sequence[CacheEvent]
+        self, address: str, instance_id: str, events: Sequence[CacheEvent], snapshot: bool = False
     ) -> None:
-        """The prefix events prefill worker `address` (engine `instance_id`) reported."""
+        """The prefix events prefill worker `address` (engine `instance_id`) reported; with
+        `snapshot`, they are every unit usable there now, replacing what was believed of it."""
 
     def decode_prefix_match(self, prefix_hashes: Sequence[bytes]) -> dict[str, int]:
         """Prompt tokens of the prefix `prefix_hashes` names each decode worker is believed to
@@ -187,7 +188,9 @@ class LeastLoadRouter(Router):
         self, num_prompt_tokens: int, prefix_hashes: Sequence[bytes] = (), exclude: Collection[str] = ()
     ) -> str | None:
         with self._lock:
-            return min(self._prefill_rotation(exclude), key=lambda a: self._outstanding.get(a, 0), default=None)
+            return min(
+                self._prefill_rotation(exclude), key=lambda a: self._outstanding.get(a, 0), default=None
+            )
 
     def rank_decode(
         self,

@@ -6,6 +6,11 @@ bound here, before uvicorn runs, so a port that is taken is one clear error rais
 (uvicorn would log it and exit its thread with a bare status code). Connections are served by
 `frontend.http_protocol` under the app's settings (`build_app` leaves them in `app.state.settings`):
 read deadlines, the per-client connection cap, JSON errors for malformed requests.
+
+A `shared` server is one of several gateway processes on one port: its socket sets SO_REUSEPORT
+(the kernel spreads new connections over every process listening there; each process bound by
+the same user), and it also listens on a port of its own (`own_address`), where its `/metrics`
+and `/health` are its own, whichever process the shared port would pick.
 """
 
 from __future__ import annotations
@@ -43,20 +48,24 @@ class GatewayBindError(RuntimeError):
     """The gateway could not listen on its configured host and port."""
 
 
-def bind_listening_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to host:port (port 0: any free one), or a GatewayBindError saying why."""
+def bind_listening_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A TCP socket bound to host:port (port 0: any free one), or a GatewayBindError saying why.
+    With `reuse_port`, other sockets that set it too (other gateway processes) may bind it as well."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as exc:
         raise GatewayBindError(f"gateway.host {host!r} does not resolve: {exc.strerror}") from exc
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind(address)
     except OSError as exc:
         sock.close()
+        taken = "another process is listening there" + (" without sharing the port" if reuse_port else "")
         hint = {
-            errno.EADDRINUSE: "another process is listening there; stop it or set gateway.port",
+            errno.EADDRINUSE: f"{taken}; stop it or set gateway.port",
             errno.EADDRNOTAVAIL: "no interface on this node has that address; set gateway.host",
             errno.EACCES: "ports below 1024 need privileges; set gateway.port above 1023",
         }.get(exc.errno or 0, "set gateway.host and gateway.port")
@@ -68,14 +77,22 @@ class GatewayServer:
     """Owns one uvicorn server and the thread running its event loop.
 
     `limits` bound slow and idle clients; by default, those of the app's settings (or the
-    settings' defaults, for an app without them)."""
+    settings' defaults, for an app without them). `shared`: the port is shared with other gateway
+    processes, and this one also listens on a port of its own (`own_address`)."""
 
     def __init__(
-        self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, limits: ConnectionLimits | None = None
+        self,
+        app: FastAPI,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        limits: ConnectionLimits | None = None,
+        shared: bool = False,
     ) -> None:
         self.app = app
         self.host = host
         self.port = port
+        self.shared = shared
+        self.own_port: int | None = None
         settings = getattr(app.state, "settings", None)
         self.limits = limits or ConnectionLimits.of(
             settings if isinstance(settings, GatewaySettings) else GatewaySettings.model_validate({})
@@ -86,8 +103,13 @@ class GatewayServer:
 
     @property
     def address(self) -> str:
-        """host:port actually bound."""
+        """host:port actually bound (the shared port, for a shared server)."""
         return f"{self.host}:{self.port}"
+
+    @property
+    def own_address(self) -> str:
+        """host:port this process alone listens on: its own port when shared, else `address`."""
+        return f"{self.host}:{self.own_port}" if self.own_port is not None else self.address
 
     @property
     def url(self) -> str:
@@ -96,7 +118,13 @@ class GatewayServer:
     def start(self, timeout_s: float = 30.0) -> str:
         if self._thread is not None:
             raise RuntimeError(f"gateway already running on {self.address}")
-        sock = bind_listening_socket(self.host, self.port)
+        sockets = [bind_listening_socket(self.host, self.port, reuse_port=self.shared)]
+        if self.shared:
+            try:
+                sockets.append(bind_listening_socket(self.host, 0))
+            except GatewayBindError:
+                sockets[0].close()
+                raise
         on_refusal = getattr(self.app.state, "on_refusal", lambda reason: None)
         config = GatewayHTTPConfig(
             self.app,
@@ -108,22 +136,27 @@ class GatewayServer:
             lifespan="on",
         )
         self._server = server = _Server(config)
-        self._thread = threading.Thread(target=self._run, args=(sock,), name="gateway-uvicorn", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(sockets,), name="gateway-uvicorn", daemon=True
+        )
         self._thread.start()
         if not server.bound.wait(timeout_s):
             raise TimeoutError(f"gateway did not start on {self.host}:{self.port} within {timeout_s:g} s")
         if not server.started:
             self.stop()
-            sock.close()
+            for sock in sockets:
+                sock.close()
             reason = "its startup failed" if isinstance(self._error, SystemExit) else repr(self._error)
             raise RuntimeError(f"gateway failed to start on {self.host}:{self.port}: {reason}")
-        self.port = sock.getsockname()[1]
+        self.port = sockets[0].getsockname()[1]
+        if self.shared:
+            self.own_port = sockets[1].getsockname()[1]
         return self.address
 
-    def _run(self, sock: socket.socket) -> None:
+    def _run(self, sockets: list[socket.socket]) -> None:
         assert self._server is not None
         try:
-            asyncio.run(self._server.serve(sockets=[sock]))
+            asyncio.run(self._server.serve(sockets=sockets))
         except BaseException as exc:  # reported by start(); a thread has nowhere else to put it
             self._error = exc
         finally:

@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from frontend.admission_queue import AdmissionQueue
+from frontend.admission_queue import SlotAdmission
 from frontend.errors import GatewayError
 from frontend.generate import Generation
 from frontend.steps import Step
@@ -45,7 +45,7 @@ async def serve(
     """Admit the request (it may wait for decode room: frontend.admission_queue), then run its
     generations; a stream once every first token is in, else the whole response. The admission
     ticket is given back once every generation is released, however the response ends."""
-    queue: AdmissionQueue = raw.app.state.admission_queue
+    queue: SlotAdmission = raw.app.state.admission_queue
     timeout_s = min(g.deadline_s for g in gens) - time.monotonic()
     try:
         ticket = await _unless_disconnected(raw, queue.acquire(len(gens), timeout_s))

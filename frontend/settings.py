@@ -57,7 +57,9 @@ class GatewaySettings(BaseModel):
     )
     max_decode_failovers: int = Field(3, ge=0, description="decode workers one request may lose")
     decode_failover_wait_s: float = Field(
-        60.0, ge=0, description="how long a request waits for a reachable decode worker (decode.failover_wait_s)"
+        60.0,
+        ge=0,
+        description="how long a request waits for a reachable decode worker (decode.failover_wait_s)",
     )
     max_request_bytes: int = Field(
         8 * 2**20, ge=1, description="request body limit: past it a 413, before the JSON is parsed"
@@ -79,6 +81,12 @@ class GatewaySettings(BaseModel):
     keep_alive_timeout_s: float = Field(30.0, gt=0, description="an idle connection between requests")
     max_connections_per_client: int | None = Field(
         1024, ge=1, description="open connections one client address may hold; None: no cap"
+    )
+    num_gateways: int = Field(
+        1,
+        ge=1,
+        description="gateway processes of the deployment; past 1 they share the port (SO_REUSEPORT), "
+        "split max_connections_per_client and admit through one shared ledger",
     )
 
     @property

@@ -50,7 +50,10 @@ class PrefixReuse:
 
     @staticmethod
     def enabled(loop: EngineLoop, store_address: str) -> bool:
-        return bool(store_address) and bool(loop.engine.config.enable_prefix_caching)
+        # a tensor-parallel engine neither imports a stored prefix nor publishes its snapshots (each
+        # rank's hold its heads only): its prefix cache stays its own
+        engine = loop.engine
+        return bool(store_address) and bool(engine.config.enable_prefix_caching) and engine.tp.size == 1
 
     def chain_of(self, prompt_token_ids: Sequence[int], sent: Sequence[bytes] | None) -> list[bytes]:
         """The request's chain: the gateway's if it sent one, else the one the engine would make."""

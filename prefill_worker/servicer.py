@@ -85,7 +85,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if needs_state:
             owner = request.state_owner or self.worker_id
             num_state_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
-            num_bytes = state_bytes(self.loop.engine.caches, num_state_tokens)
+            num_ranks = self.loop.engine.tp.size  # each rank's KDA heads go in
+            num_bytes = state_bytes(self.loop.engine.caches, num_state_tokens, num_ranks)
             # another node's store (two hops) gets bytes even where its arena could be mapped
             shared = None if request.store_address == self.store_address or not self.store_address else False
             try:
@@ -219,7 +220,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def CacheReport(
         self, request: prefill_pb2.CacheReportRequest, context: grpc.ServicerContext
     ) -> prefill_pb2.PrefixCacheReport:
-        return self._cache_reporter.report(self.loop)  # no wait behind a step
+        return self._cache_reporter.report(self.loop, request)  # no wait behind a step
 
     def Abort(
         self, request: prefill_pb2.AbortPrefillRequest, context: grpc.ServicerContext

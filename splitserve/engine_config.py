@@ -61,6 +61,11 @@ class EngineConfig:
     # pad single-token rows to the bucket even when the step runs eagerly (the CPU tests of the
     # padding path; costs compute): graphs always pad, this only forces it without them
     pad_decode_batches: bool = False
+    # tensor parallelism (engine/parallel/): ranks as processes, rank 0 this one (vLLM's keyword); heads,
+    # MLP columns and the vocabulary split over them. expert_parallel: the routed experts spread over
+    # the ranks whole instead of each being cut
+    tensor_parallel_size: int = 1
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         positive = {
@@ -88,7 +93,9 @@ class EngineConfig:
         if self.replay_window < 0:
             raise ValueError(f"replay_window must be 0 (off) or a number of steps (got {self.replay_window})")
         if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES} (got {self.preemption_mode!r})")
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES} (got {self.preemption_mode!r})"
+            )
         if self.swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be at least 0 (got {self.swap_space_bytes})")
         if self.snapshot_memory_bytes < 0:
@@ -97,6 +104,8 @@ class EngineConfig:
         if sizes and sizes[0] < 1:
             raise ValueError(f"cuda_graph_batch_sizes must all be at least 1 (got {list(sizes)})")
         object.__setattr__(self, "cuda_graph_batch_sizes", sizes)  # frozen: normalised once, here
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1 (got {self.tensor_parallel_size})")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2 (got {self.max_model_len})")
 

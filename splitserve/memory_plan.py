@@ -1,12 +1,15 @@
 """A memory plan per pool, made before anything starts: weights, activations, KV blocks, state slots.
 
 `plan_cluster(config, model)` answers, for each pool's workers and without allocating anything,
-what one device holds: the weights (from `engine.param_count`, divided by `tensor_parallel`),
-the fused copies the engine builds at load, an activation margin, and the pool's
+what one device (one rank) holds: the weights (from `engine.param_count`: a rank's share under
+`tensor_parallel`, with or without `expert_parallel`; the MLA latent path, norms and routers are
+whole on every rank), the fused copies the engine builds at load, an activation margin, and the pool's
 `kv_cache_memory_bytes`, which buys `max_num_seqs` state slots and KV blocks with the rest
-(`engine.cache_spec.plan_cache`, the arithmetic the engine allocates by), and with prefix caching
-on the KDA snapshot pool beside it (`cache.snapshot_memory_bytes`, whole snapshots only). It needs only the
-checkpoint's config.json, so it runs on a GPU-less head node before a download. Torch-free.
+(`engine.cache_spec.plan_cache`, the arithmetic the engine allocates by: per rank, KDA slots hold
+its heads' states and MLA blocks every token's whole latent), and with prefix caching on the KDA
+snapshot pool beside it (`cache.snapshot_memory_bytes`, whole snapshots only); and what a step
+sends between a replica's ranks (`engine.parallel.layout`). It needs only the checkpoint's
+config.json, so it runs on a GPU-less head node before a download. Torch-free.
 
 The activation margin is an estimate, not a measurement: per batched token, 4 bytes (fp32, the
 widest dtype a forward upcasts to) times `4 * hidden_size` (residual, normed input, attention
@@ -29,6 +32,7 @@ from splitserve.config import ClusterConfig
 from splitserve.device_memory import host_memory_bytes, visible_gpu_memory_bytes
 from splitserve.engine.cache_spec import CachePlan, plan_cache
 from splitserve.engine.model_config import KimiLinearModelConfig
+from splitserve.engine.parallel.layout import StepTraffic, check_splits, step_traffic
 from splitserve.engine.param_count import count_weights
 from splitserve.engine_config import EngineConfig
 
@@ -51,12 +55,18 @@ class ActivationMargin:
 
 
 def activation_margin(model: KimiLinearModelConfig, engine: EngineConfig) -> ActivationMargin:
-    """The margin one worker of `engine`'s pool keeps free for activations."""
+    """The margin one worker of `engine`'s pool (one rank of it) keeps free for activations; the
+    logits are rank 0's, which gathers the whole vocabulary to sample."""
+    n = engine.tensor_parallel_size
+    heads, linear_heads = model.num_attention_heads // n, model.linear_num_heads // n
+    # a rank's experts are whole with expert parallelism: every choice may land on it
+    expert_width = model.moe_intermediate_size // (1 if engine.expert_parallel else n)
+    shared_width = model.moe_intermediate_size * model.n_shared_experts // n
     widest = max(
-        model.num_attention_heads * (model.qk_head_dim + model.kv_lora_rank + model.qk_rope_head_dim),
-        4 * model.kda_qkv_dim + 2 * model.linear_head_dim + model.linear_num_heads,
-        2 * model.intermediate_size,
-        2 * model.moe_intermediate_size * (model.num_experts_per_tok + model.n_shared_experts),
+        heads * (model.qk_head_dim + model.kv_lora_rank + model.qk_rope_head_dim),
+        4 * linear_heads * model.linear_head_dim + 2 * model.linear_head_dim + linear_heads,
+        2 * model.intermediate_size // n,
+        2 * (expert_width * model.num_experts_per_tok + shared_width),
     )
     per_token = ACTIVATION_BYTES_PER_ELEMENT * (4 * model.hidden_size + widest)
     logits = 2 * engine.max_num_seqs * model.vocab_size * ACTIVATION_BYTES_PER_ELEMENT
@@ -76,9 +86,9 @@ class PoolPlan:
     pool: str
     device: str  # "cuda" or "cpu"
     replicas: int
-    tensor_parallel: int
-    num_params: int
-    weight_bytes: int  # per device: the loaded weights / tensor_parallel
+    tensor_parallel: int  # ranks (devices) per replica
+    num_params: int  # per rank
+    weight_bytes: int  # per device (rank): its share of the loaded weights
     fused_bytes: int  # per device: the copies finalize() builds at load
     activation: ActivationMargin
     kv_cache_memory_bytes: int
@@ -88,6 +98,8 @@ class PoolPlan:
     cache_error: str | None
     device_memory_bytes: int | None
     device_memory_source: str
+    expert_parallel: bool = False
+    traffic: StepTraffic | None = None  # between the ranks of a replica (None with one rank)
 
     @property
     def snapshot_bytes(self) -> int:
@@ -165,6 +177,7 @@ class PoolPlan:
             "device": self.device,
             "replicas": self.replicas,
             "tensor_parallel": self.tensor_parallel,
+            "expert_parallel": self.expert_parallel,
             "num_params": self.num_params,
             "weight_bytes": self.weight_bytes,
             "fused_bytes": self.fused_bytes,
@@ -190,6 +203,12 @@ class PoolPlan:
             "need_bytes": self.need_bytes,
             "fits": self.fits,
             "problems": self.problems(),
+            "traffic": None
+            if self.traffic is None
+            else {
+                **vars(self.traffic),
+                "allreduce_ring_bytes_per_token": self.traffic.allreduce_ring_bytes_per_token,
+            },
         }
 
 
@@ -202,14 +221,27 @@ def human_bytes(num_bytes: int) -> str:
 
 
 def plan_pool(
-    config: ClusterConfig, pool: str, model: KimiLinearModelConfig, *, detect_device: bool = True
+    config: ClusterConfig,
+    pool: str,
+    model: KimiLinearModelConfig,
+    *,
+    detect_device: bool = True,
+    tensor_parallel: int | None = None,
+    expert_parallel: bool | None = None,
 ) -> PoolPlan:
-    """The plan of one pool. `detect_device`: read this machine's device when the config gives none."""
+    """The plan of one pool, per rank. `detect_device`: read this machine's device when the config
+    gives none. `tensor_parallel` / `expert_parallel` override the pool's (planning a layout before
+    the config asks for it); a size the ranks cannot split is a ValueError naming it."""
     section = config.pool(pool)
-    engine = config.engine_config(pool, model_path="<plan>")
-    counted = count_weights(model)
-    tp = section.tensor_parallel
-    unit = CachePlan.specs(model, block_size=engine.block_size, dtype=engine.dtype)
+    tp = tensor_parallel or section.tensor_parallel
+    ep = section.expert_parallel if expert_parallel is None else expert_parallel
+    ep = ep and tp > 1
+    check_splits(model, tp, ep)
+    engine = config.engine_config(pool, model_path="<plan>").replace(
+        tensor_parallel_size=tp, expert_parallel=ep
+    )
+    counted = count_weights(model, tp, ep)
+    unit = CachePlan.specs(model, block_size=engine.block_size, dtype=engine.dtype, tensor_parallel=tp)
     unit = CachePlan(unit.mla, unit.kda, unit.num_mla_layers, unit.num_kda_layers, 0, engine.max_num_seqs)
     assert engine.kv_cache_memory_bytes is not None  # a pool's budget is always explicit
     cache: CachePlan | None
@@ -227,8 +259,8 @@ def plan_pool(
         replicas=section.replicas,
         tensor_parallel=tp,
         num_params=counted.num_params,
-        weight_bytes=-(-counted.weight_bytes(engine.dtype) // tp),
-        fused_bytes=-(-counted.fused_bytes(engine.dtype) // tp),
+        weight_bytes=counted.weight_bytes(engine.dtype),
+        fused_bytes=counted.fused_bytes(engine.dtype),
         activation=activation_margin(model, engine),
         kv_cache_memory_bytes=engine.kv_cache_memory_bytes,
         unit=unit,
@@ -237,14 +269,31 @@ def plan_pool(
         cache_error=error,
         device_memory_bytes=memory,
         device_memory_source=source,
+        expert_parallel=ep,
+        traffic=step_traffic(model, engine.dtype, tp) if tp > 1 else None,
     )
 
 
 def plan_cluster(
-    config: ClusterConfig, model: KimiLinearModelConfig, *, detect_device: bool = True
+    config: ClusterConfig,
+    model: KimiLinearModelConfig,
+    *,
+    detect_device: bool = True,
+    tensor_parallel: int | None = None,
+    expert_parallel: bool | None = None,
 ) -> list[PoolPlan]:
-    """One plan per pool that runs."""
-    return [plan_pool(config, pool, model, detect_device=detect_device) for pool in config.pool_names]
+    """One plan per pool that runs (the overrides as for `plan_pool`, to every pool)."""
+    return [
+        plan_pool(
+            config,
+            pool,
+            model,
+            detect_device=detect_device,
+            tensor_parallel=tensor_parallel,
+            expert_parallel=expert_parallel,
+        )
+        for pool in config.pool_names
+    ]
 
 
 def _device_memory(configured: int | None, device: str, detect: bool) -> tuple[int | None, str]:

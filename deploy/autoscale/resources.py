@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from deploy.members import Pool
+from deploy.members import Roster
 from splitserve.config import ClusterConfig
 
 logger = logging.getLogger("splitserve.deploy")
@@ -21,15 +21,15 @@ logger = logging.getLogger("splitserve.deploy")
 Bundle = tuple[dict[str, float], dict[str, str]]  # resources, and the node labels it needs
 
 
-def wanted_bundles(
-    config: ClusterConfig, pools: Mapping[str, Pool], num_stores: int, more: Mapping[str, int]
-) -> list[Bundle]:
+def wanted_bundles(config: ClusterConfig, roster: Roster, more: Mapping[str, int]) -> list[Bundle]:
     """Every bundle the deployment wants, each with the node labels its pool needs: each pool's
-    replicas (plus `more[pool]`), the gateway's and each store's CPUs (at least one store)."""
+    replicas (plus `more[pool]`), each gateway process's and each store's CPUs (at least one of
+    each)."""
     bundles: list[Bundle] = []
-    for name, pool in pools.items():
+    for name, pool in roster.pools.items():
         bundles += [(dict(pool.spec.bundle), dict(pool.spec.labels))] * (pool.replicas + more.get(name, 0))
-    bundles.append(({"CPU": float(config.gateway.num_cpus)}, {}))
+    bundles += [({"CPU": float(config.gateway.num_cpus)}, {})] * max(1, len(roster.gateways))
+    num_stores = len(roster.stores)
     bundles += [({"CPU": float(config.store.num_cpus)}, {})] * max(1, num_stores)
     kept = [({k: v for k, v in b.items() if v > 0}, labels) for b, labels in bundles]
     return [(b, labels) for b, labels in kept if b]

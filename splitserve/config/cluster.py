@@ -123,6 +123,8 @@ class ClusterConfig(Section):
             prefix_salt=self.model.served_name,  # the gateway's salt: engines name what they retain alike
             replay_window=getattr(section, "replay_window", 0),  # a decode pool's key only
             enforce_eager=self.pool_role(pool) == "prefill",  # never runs a decode-only step: no graphs
+            tensor_parallel_size=section.tensor_parallel,
+            expert_parallel=section.expert_parallel,
         )
 
     def to_yaml(self) -> str:

@@ -4,20 +4,31 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 
 from splitserve.config.byte_size import ByteSize
 from splitserve.config.section import Section
 
+GatewayPlacement = Literal["head", "every_node"]
+MAX_GATEWAY_REPLICAS = 64
+
 
 class GatewayConfig(Section):
-    """The OpenAI-compatible HTTP frontend (GPU-less, one per cluster, on the head node)."""
+    """The OpenAI-compatible HTTP frontend (GPU-less): `replicas` processes on the head node, or on
+    every node (`placement: every_node`, behind the user's load balancer). Processes on one node
+    share its port (SO_REUSEPORT: the kernel spreads new connections over them)."""
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)  # 0: any free port
     api_keys: tuple[str, ...] = ()  # empty: no authentication
+    # gateway processes per node that runs gateways; each reserves num_cpus
+    replicas: int = Field(default=1, ge=1, le=MAX_GATEWAY_REPLICAS)
+    # head: on the Ray head node only; every_node: on every node alive at start, one port each
+    placement: GatewayPlacement = "head"
     num_cpus: float = Field(default=0.25, ge=0)
     # a request body past this is a 413 before its JSON is parsed
     max_request_bytes: ByteSize = Field(default=8 * 2**20, ge=1)
@@ -39,6 +50,15 @@ class GatewayConfig(Section):
     # an environment variable of the head node's Ray, or a file there (gateway_api_keys reads them)
     api_keys_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     api_keys_file: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _port_shareable(self) -> GatewayConfig:
+        if (self.replicas > 1 or self.placement == "every_node") and not hasattr(socket, "SO_REUSEPORT"):
+            raise ValueError(
+                "gateway: several gateway processes share one port with SO_REUSEPORT, which this "
+                "platform lacks; set gateway.replicas: 1 and gateway.placement: head"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_source_of_api_keys(self) -> GatewayConfig:

@@ -29,6 +29,12 @@ class PoolConfig(Section):
     `node_labels` are the Ray node labels its node must carry (`ray start --labels`), so a pool
     can be put on one node type. `num_gpus` may be a fraction: workers then share a GPU.
 
+    `tensor_parallel` N > 1 runs each replica as N ranks (processes joined by torch.distributed:
+    heads, MLP columns and the vocabulary split over them; engine/parallel/), with
+    `expert_parallel` spreading the routed experts over them whole. `num_cpus` is then per rank: a
+    replica reserves one bundle per rank, all on one node (the ranks are processes of the worker's
+    node), so `placement` packs (PACK or STRICT_PACK); such a pool runs on CPUs only for now.
+
     `autoscale` lets the controller's planner move `replicas` between its bounds by load against
     `slo` (splitserve/config/autoscale.py); `replicas` is then where the pool starts (by default
     `autoscale.min_replicas`).
@@ -37,7 +43,8 @@ class PoolConfig(Section):
     replicas: int = Field(default=1, ge=0)
     num_cpus: float = Field(default=1, gt=0)
     num_gpus: float = Field(default=0, ge=0)
-    tensor_parallel: int = Field(default=1, ge=1)
+    tensor_parallel: int = Field(default=1, ge=1)  # ranks per replica; num_cpus/num_gpus are per rank
+    expert_parallel: bool = False  # with tensor_parallel > 1: the routed experts spread over the ranks
     placement: PlacementStrategy = "PACK"
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     max_num_seqs: int = Field(default=64, ge=1)
@@ -107,21 +114,36 @@ class PoolConfig(Section):
     @field_validator("num_gpus")
     @classmethod
     def _one_gpu_at_most(cls, value: float) -> float:
-        if value > 1:  # tensor_parallel is 1 (below): one worker, one device
+        if value > 1:  # per rank: a worker spans several GPUs with tensor_parallel
             raise ValueError(
-                f"a worker runs on one GPU; give 1, or a fraction such as 0.5 to share one GPU "
-                f"between workers (got {value:g})"
+                f"num_gpus is per rank: give 1 (and tensor_parallel N for N GPUs per worker), or a "
+                f"fraction such as 0.5 to share one GPU between workers (got {value:g})"
             )
         return value
 
-    @field_validator("tensor_parallel")
-    @classmethod
-    def _single_rank(cls, value: int) -> int:
-        if value > 1:
+    @model_validator(mode="after")
+    def _ranks_on_one_node(self) -> PoolConfig:
+        if self.tensor_parallel > 1 and self.placement not in ("PACK", "STRICT_PACK"):
             raise ValueError(
-                f"tensor_parallel > 1 is not supported yet (got {value}); scale out with replicas"
+                f"placement {self.placement} with tensor_parallel {self.tensor_parallel}: a replica's ranks "
+                "are processes of one node, so its bundles must be packed; use PACK or STRICT_PACK"
             )
-        return value
+        if self.tensor_parallel > 1 and self.num_gpus > 0:
+            raise ValueError(
+                f"tensor_parallel {self.tensor_parallel} with num_gpus: a replica's ranks are processes "
+                "beside the worker's actor, which Ray shows its own GPU only, so rank r cannot reach "
+                "cuda:r; tensor-parallel pools run on CPUs (num_gpus: 0) until ranks are Ray actors"
+            )
+        if self.tensor_parallel > 1 and self.preemption_mode == "swap":
+            raise ValueError(
+                "preemption_mode swap with tensor_parallel > 1: the ranks' head-ranged states are not "
+                "swapped to the store; use preemption_mode recompute"
+            )
+        if self.expert_parallel and self.tensor_parallel == 1:
+            raise ValueError(
+                "expert_parallel spreads experts over a replica's ranks: set tensor_parallel > 1"
+            )
+        return self
 
 
 class PrefillPoolConfig(PoolConfig):
@@ -158,3 +180,12 @@ class DecodePoolConfig(PoolConfig):
     # ReplaySSM: KDA decode keeps a checkpoint + a ring of this many step records per layer
     # (0: the plain recurrent path)
     replay_window: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _replay_on_one_rank(self) -> DecodePoolConfig:
+        if self.replay_window and self.tensor_parallel > 1:
+            raise ValueError(
+                "replay_window with tensor_parallel > 1: a rank's ReplaySSM records are not "
+                "published to the store; set replay_window: 0 (failover re-prefills)"
+            )
+        return self

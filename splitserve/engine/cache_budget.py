@@ -32,7 +32,11 @@ def default_kv_cache_bytes(
 ) -> tuple[int, str]:
     """The budget for `config` on `device` (call it after the weights are loaded), and why."""
     unit = CachePlan.specs(
-        model, block_size=config.block_size, dtype=config.dtype, replay_window=config.replay_window
+        model,
+        block_size=config.block_size,
+        dtype=config.dtype,
+        replay_window=config.replay_window,
+        tensor_parallel=config.tensor_parallel_size,
     )
     num_tokens = context_len(model, config)
     need = unit.bytes_for(config.max_num_seqs, num_tokens)

@@ -116,15 +116,25 @@ class CachePlan:
 
     @classmethod
     def specs(
-        cls, config: KimiLinearModelConfig, *, block_size: int, dtype: str, replay_window: int = 0
+        cls,
+        config: KimiLinearModelConfig,
+        *,
+        block_size: int,
+        dtype: str,
+        replay_window: int = 0,
+        tensor_parallel: int = 1,
     ) -> CachePlan:
         """The per-block and per-slot costs alone (a plan of no blocks and no slots); a slot's
-        ReplaySSM rings hold `replay_window` fp32 records (k, u, G) per KDA layer and head."""
+        ReplaySSM rings hold `replay_window` fp32 records (k, u, G) per KDA layer and head.
+
+        Per rank under `tensor_parallel`: a rank's KDA slots hold its heads' states (1 / tensor_parallel
+        of them); its MLA blocks hold every token's latent, which all heads share (replicated)."""
         mla = MLAAttentionSpec(block_size, config.kv_lora_rank, config.qk_rope_head_dim, dtype)
+        num_heads = config.linear_num_heads // tensor_parallel
         kda = KDAStateSpec(
-            conv_dim=3 * config.kda_qkv_dim,
+            conv_dim=3 * num_heads * config.linear_head_dim,
             conv_len=config.linear_conv_kernel_dim - 1,
-            num_heads=config.linear_num_heads,
+            num_heads=num_heads,
             head_k_dim=config.linear_head_dim,
             head_v_dim=config.linear_head_dim,
             conv_dtype=dtype,
@@ -144,9 +154,16 @@ class CachePlan:
         dtype: str,
         min_blocks: int,
         replay_window: int = 0,
+        tensor_parallel: int = 1,
     ) -> CachePlan:
         """Give every slot its room first, then spend the rest on blocks; fail if too little is left."""
-        unit = cls.specs(config, block_size=block_size, dtype=dtype, replay_window=replay_window)
+        unit = cls.specs(
+            config,
+            block_size=block_size,
+            dtype=dtype,
+            replay_window=replay_window,
+            tensor_parallel=tensor_parallel,
+        )
         slot_bytes = unit.slot_room_bytes
         left = kv_cache_memory_bytes - num_slots * slot_bytes
         num_blocks = left // unit.block_bytes if unit.block_bytes else max(min_blocks, 1)
@@ -180,7 +197,7 @@ def context_len(model: KimiLinearModelConfig, config: EngineConfig) -> int:
 def plan_cache(
     model: KimiLinearModelConfig, config: EngineConfig, kv_cache_memory_bytes: int
 ) -> tuple[CachePlan, int]:
-    """The cache plan one engine allocates and the `max_model_len` it serves.
+    """The cache plan one engine (each of its ranks) allocates and the `max_model_len` it serves.
 
     An explicit `config.max_model_len` must fit the checkpoint's context and, for one request,
     the budget (else ValueError). Without one, the engine serves the longest request the budget
@@ -199,6 +216,7 @@ def plan_cache(
         dtype=config.dtype,
         min_blocks=-(-min_tokens // config.block_size),
         replay_window=config.replay_window,
+        tensor_parallel=config.tensor_parallel_size,
     )
     if config.enable_prefix_caching:
         plan = dataclasses.replace(plan, num_snapshots=plan.snapshots_for(config.snapshot_memory_bytes))

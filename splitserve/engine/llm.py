@@ -20,7 +20,8 @@ from splitserve.tokenizer import Tokenizer
 class LLM:
     """Runs the engine in-process: `LLM(model=PATH, ...).generate(prompts, sampling_params)`.
 
-    Keyword arguments are `EngineConfig` fields. Stop strings and text come from the checkpoint's
+    Keyword arguments are `EngineConfig` fields (`tensor_parallel_size=N` starts N - 1 more rank
+    processes, ended by `shutdown()` or at exit). Stop strings and text come from the checkpoint's
     tokenizer; a checkpoint without one takes `prompt_token_ids` and returns empty text.
     """
 
@@ -71,6 +72,11 @@ class LLM:
             raise
         return [self._group_output(request_id, sp, samples, detoks) for request_id, sp, samples in groups]
 
+    def shutdown(self) -> None:
+        """End the engine's other ranks (with `tensor_parallel_size` > 1; otherwise nothing to end).
+        Dropping the LLM or leaving the interpreter ends them too."""
+        self.engine.shutdown()
+
     def _run(
         self, requests: list[Request], detoks: dict[str, IncrementalDetokenizer], use_tqdm: bool
     ) -> None:
@@ -81,8 +87,7 @@ class LLM:
                 if detok is not None:
                     detok.push(update.new_token_ids)
                     if detok.stop_reason is not None and not update.finished:
-                        self.engine.scheduler.finish(update.request, "stop", detok.stop_reason)
-                        self.engine.requests.pop(update.request.request_id, None)
+                        self.engine.finish_request(update.request.request_id, "stop", detok.stop_reason)
                 if update.request.finished:
                     bar.update(1)
         bar.close()

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,6 +22,20 @@ from splitserve.engine.loader import load_model
 from splitserve.engine.model_config import KimiLinearModelConfig
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.ops.kda_dispatch import kda_backend
+from splitserve.engine.parallel.commands import (
+    AbortRequest,
+    AddRequest,
+    AdmitTransferred,
+    FinishRequest,
+    PromptLogits,
+    ReadTransferred,
+    ReserveTransfer,
+    Step,
+    WriteTransferred,
+)
+from splitserve.engine.parallel.group import SINGLE, TensorParallel
+from splitserve.engine.parallel.handoff import DriverExports, FollowerExports, ShardingSink, StoreRead
+from splitserve.engine.parallel.ranks import RankProcesses, rank_config
 from splitserve.engine.parallel_sampling import SampleForker, SampleStart, make_samples
 from splitserve.engine.prefix_cache import ImportedPrefix, PrefixCacheStats, PrefixEvent, RetainedPrefix
 from splitserve.engine.prefix_cache.cache import PrefixCache, make_prefix_cache
@@ -61,25 +78,53 @@ class RequestUpdate:
 
 
 class LLMEngine:
-    """Owns one model replica, its caches, scheduler and sampler; not thread-safe (one driver)."""
+    """Owns one model replica, its caches, scheduler and sampler; not thread-safe (one driver).
 
-    def __init__(self, config: EngineConfig) -> None:
+    With `tensor_parallel_size` N > 1 this engine is rank 0 of N: it starts ranks 1..N-1 as
+    processes (engine/parallel/), each an `LLMEngine` of its own over its shard, and forwards every
+    call that changes state to them (`parallel/commands.py`); it alone samples. `shutdown()` (or
+    the engine being dropped, or the interpreter leaving) ends them. A rank's engine is built with
+    its `tp` given and forwards nothing. Every rank ends its construction with the same warm-up
+    (engine/warm_up.py), so the warm-up's steps meet in the same collectives on every rank.
+    State handed off in or out goes through every rank, each with its heads (parallel/handoff.py).
+    """
+
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
         load_start_s = time.monotonic()
+        self.ranks: RankProcesses | None = None
+        if tp is None and config.tensor_parallel_size > 1:
+            config = rank_config(config, 0)
+            # refused before any rank starts; each rank checks its own device again as it builds
+            _check_kernels(_model_config(config), torch.device(config.device))
+            self.ranks, tp = RankProcesses.launch(config)
+        try:
+            self._build(config, tp or SINGLE, load_start_s)
+            if self.ranks is not None:
+                self.ranks.wait_ready()
+        except BaseException as exc:
+            if self.ranks is not None:  # a rank's own error says more than the driver's broken collective
+                failures = self.ranks.failures()
+                self.ranks.close()
+                if failures and not isinstance(exc, KeyboardInterrupt):
+                    raise RuntimeError("a rank failed to start:\n" + "\n".join(failures)) from exc
+            raise
+
+    def _build(self, config: EngineConfig, tp: TensorParallel, load_start_s: float) -> None:
         self.config = config
+        self.tp = tp
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         path = Path(config.model).expanduser()
-        self.model_config = KimiLinearModelConfig.from_pretrained(path)
+        self.model_config = _model_config(config)
         mc = self.model_config
         if mc.hidden_act != "silu":
             raise ValueError(f"hidden_act {mc.hidden_act!r} is not supported (only 'silu')")
         self.device = torch.device(config.device)
         use_kernel_caches(self.device)  # before anything compiles: a restart finds the kernels there
-        if mc.kda_layer_ids:
-            kda_backend(self.device)  # CUDA without fla is refused here, before the weights load
+        _check_kernels(mc, self.device)  # on every rank, before the weights load
         dtype = getattr(torch, config.dtype)  # EngineConfig.dtype is a torch dtype name
         context_len(mc, config)  # a max_model_len beyond the checkpoint's fails before the weights load
-        self.model = load_model(mc, path, dtype, self.device)
+        self.model = load_model(mc, path, dtype, self.device, tp)
         self.plan, self.max_model_len = self._plan_cache()
         # decode batches padded to a CUDA graph's bucket (None: as before) use a scratch block and slot
         self.padding = plan_decode_padding(
@@ -108,9 +153,16 @@ class LLMEngine:
             self.device,
             self.padding,
             self.max_model_len,
+            tp,
         )
         self.requests: dict[str, Request] = {}
-        self._sinks: dict[str, TransferSink] = {}  # reserved requests' state, written from any thread
+        self._sinks: dict[str, ShardingSink] = {}  # reserved requests' state, written from any thread
+        num_heads = self.model_config.linear_num_heads
+        self.driver_exports = DriverExports(tp, num_heads) if tp.size > 1 and tp.rank == 0 else None
+        self.follower_exports = FollowerExports(tp, num_heads) if tp.rank > 0 else None
+        self.rank_reads: Any = None  # a rank's own store reads (worker/rank_reads.py), made on the first
+        self._read_on_ranks: set[str] = set()  # rank 0: reservations every rank reads itself
+        self.num_forwarded_pieces = 0  # rank 0: pieces it cut for the other ranks (none where they read)
         self._arrivals = itertools.count()
         self.warm_up = warm_up_engine(self, load_start_s)  # compiles, autotunes before the first request
         logger.info(
@@ -136,6 +188,7 @@ class LLMEngine:
         budget, why = config.kv_cache_memory_bytes, None
         if budget is None:
             budget, why = default_kv_cache_bytes(mc, config, self.device)
+            budget = self.tp.min_over_ranks(budget)  # every rank plans the same blocks and slots
         try:
             plan, max_model_len = plan_cache(mc, config, budget)
         except ValueError as exc:
@@ -166,6 +219,7 @@ class LLMEngine:
         prefix_hashes: list[bytes] | None = None,
         imported_prefix: ImportedPrefix | None = None,
         output_token_ids: list[int] | None = None,
+        prefill_only: bool = False,
     ) -> Request:
         """Validate and queue; raises ValueError naming what is wrong with the request.
 
@@ -182,12 +236,33 @@ class LLMEngine:
         "handoff" unless that token already ended it) and `export` receives its state as it becomes
         final: each prompt chunk's MLA rows as that chunk finishes each MLA layer, the KDA states as
         the final chunk finishes each KDA layer. It runs on the engine thread: queue, do not send.
-        A preempted request recomputes and exports its rows again.
+        A preempted request recomputes and exports its rows again. `prefill_only` without `export`:
+        the same end after the first token, nothing exported (a tensor-parallel rank's copy).
         """
         if output_token_ids and params.num_samples > 1:
             raise ValueError(
                 "a request resumed with output_token_ids is one sample: send n=1 with that sample's seed"
             )
+        if self.ranks is not None:
+            if imported_prefix is not None:
+                raise ValueError(
+                    "a tensor-parallel engine does not import a stored prefix (its ranks would each need "
+                    "their heads of it); use tensor_parallel_size 1 for the cluster prefix cache"
+                )
+            # every rank makes the same samples of it and forks them at the same step
+            self.ranks.send(
+                AddRequest(
+                    request_id,
+                    list(prompt_token_ids),
+                    params,
+                    prefill_only or export is not None,
+                    prefix_hashes,
+                    output_token_ids,
+                    export_to_driver=export is not None,
+                )
+            )
+            if export is not None and self.driver_exports is not None:
+                export = self.driver_exports.wrap(export)
         first = self._new_request(request_id, prompt_token_ids, params, prompt)
         samples = make_samples(
             first,
@@ -203,7 +278,7 @@ class LLMEngine:
         if self.prefix_cache is not None:
             self.prefix_cache.check_request(request, prefix_hashes, imported_prefix)
         for sample in samples:
-            sample.prefill_only = export is not None
+            sample.prefill_only = export is not None or prefill_only
             sample.prefix_hashes = request.prefix_hashes
             self.requests[sample.request_id] = sample
         self.scheduler.add(request)
@@ -254,17 +329,36 @@ class LLMEngine:
         assert placeholder.state_slot is not None
         self.requests[request_id] = placeholder
         rows = token_rows(placeholder.block_table, num_prompt_tokens, self.config.block_size)
-        self._sinks[request_id] = TransferSink(
-            self.caches, rows, placeholder.state_slot, num_prompt_tokens, self.device
-        )
+        local = TransferSink(self.caches, rows, placeholder.state_slot, num_prompt_tokens, self.device)
+        forward = None
+        if self.ranks is not None:  # the same room on every rank; the reader's pieces cut for each
+            self.ranks.send(ReserveTransfer(request_id, num_prompt_tokens, num_samples))
+            forward = partial(self._forward_piece, request_id)
+        self._sinks[request_id] = ShardingSink(local, self.tp, self.model_config.linear_num_heads, forward)
         return True
 
-    def transfer_sink(self, request_id: str) -> TransferSink:
+    def _forward_piece(self, request_id: str, rank: int, state: LayerState) -> None:
+        """A piece written here, cut to `rank`'s heads, to that rank (the reader's thread)."""
+        assert self.ranks is not None
+        self.ranks.send_to(rank, WriteTransferred(request_id, state))
+        self.num_forwarded_pieces += 1
+
+    def transfer_sink(self, request_id: str) -> ShardingSink:
         """Where the state of a reservation is written, from any thread (see `TransferSink`)."""
         sink = self._sinks.get(request_id)
         if sink is None:
             raise KeyError(f"no reservation for request {request_id!r}")
         return sink
+
+    def read_on_ranks(self, request_id: str, source: StoreRead) -> None:
+        """A tensor-parallel engine's other ranks read the reservation's state from `source`
+        themselves, each its heads; this rank's sink then keeps its own heads and forwards none.
+        Call before the first piece is written here (nothing to do with one rank)."""
+        if self.ranks is None:
+            return
+        self.transfer_sink(request_id).own_heads_only()
+        self.ranks.send(ReadTransferred(request_id, source))
+        self._read_on_ranks.add(request_id)
 
     def write_transferred_state(self, request_id: str, state: LayerState) -> None:
         """Scatter one arriving piece into the room `reserve_transfer` held (any thread)."""
@@ -284,6 +378,35 @@ class LLMEngine:
 
         `output_token_ids` (decode failover): tokens generated before `first_token_id`; the
         reserved state covers prompt + these, and `first_token_id` is output token len(these)."""
+        if self.ranks is not None:  # every piece was forwarded before, or each rank reads its own
+            command = AdmitTransferred(
+                request_id, list(prompt_token_ids), params, first_token_id, output_token_ids
+            )
+            self._admit_on_ranks(command)
+        return self._admit_transferred(
+            request_id, prompt_token_ids, params, first_token_id, first_logprobs, output_token_ids
+        )
+
+    def _admit_on_ranks(self, command: AdmitTransferred) -> None:
+        """Admit on every other rank; where they read the state themselves, wait until each has
+        (the caller releases the stored key after this)."""
+        assert self.ranks is not None
+        ranks_read = command.request_id in self._read_on_ranks
+        self._read_on_ranks.discard(command.request_id)
+        self.ranks.send(dataclasses.replace(command, ranks_read=ranks_read))
+        if ranks_read:
+            for rank in range(1, self.tp.size):
+                self.ranks.receive(rank)
+
+    def _admit_transferred(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        first_token_id: int,
+        first_logprobs: dict[int, float] | None = None,
+        output_token_ids: list[int] | None = None,
+    ) -> Request:
         reserved = self.scheduler.reserved.get(request_id)
         sink = self._sinks.get(request_id)
         if reserved is None or sink is None:
@@ -325,8 +448,12 @@ class LLMEngine:
         if not live or reserved is None or len(reserved.fork_slots) < len(live) - 1:
             room = "no reservation" if reserved is None else f"room for {1 + len(reserved.fork_slots)}"
             raise ValueError(f"{len(live)} samples of {request_id} to decode; {room} was reserved")
+        if self.ranks is not None:
+            self._admit_on_ranks(
+                AdmitTransferred(request_id, list(prompt_token_ids), params, 0, starts=list(starts))
+            )
         head = starts[live[0]]
-        parent = self.admit_transferred(
+        parent = self._admit_transferred(
             request_id, prompt_token_ids, params.for_sample(live[0]), head.token_id, head.logprobs
         )
         self.requests.pop(request_id)
@@ -372,28 +499,42 @@ class LLMEngine:
         return ids
 
     def prompt_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:
-        """Logits [L, vocab] (fp32) at every prompt position, computed chunk by chunk like a prefill."""
+        """Logits [L, vocab] (fp32) at every prompt position, computed chunk by chunk like a prefill
+        (on rank 0; another rank of a tensor-parallel engine computes its part and returns nothing)."""
+        if self.ranks is not None:
+            self.ranks.send(PromptLogits(list(prompt_token_ids)))
         request = Request("__score__", self.validate_prompt(prompt_token_ids), SamplingParams(), 1, -1)
         scheduler = self.scheduler
         request.state_slot = scheduler.slots.allocate()
         if request.state_slot is None:
             raise RuntimeError("no free state slot to score with; wait for running requests to finish")
         try:
-            pieces = []
+            pieces: list[torch.Tensor] = []
             while request.num_computed_tokens < request.num_tokens:
                 num_new = min(
                     request.num_tokens - request.num_computed_tokens, self.config.max_num_batched_tokens
                 )
                 if not scheduler.reserve_blocks(request, num_new):
                     raise RuntimeError("not enough free KV blocks to score this prompt now")
-                pieces.append(self.runner.chunk_logits(ScheduledRequest(request, num_new)))
+                logits = self.runner.chunk_logits(ScheduledRequest(request, num_new))
+                if logits is not None:  # None on a rank past the first: rank 0 gathers the vocabulary
+                    pieces.append(logits)
                 request.num_computed_tokens += num_new
-            return torch.cat(pieces)
+            return torch.cat(pieces) if pieces else torch.empty(0)
         finally:
             scheduler.release(request)
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request (every sample of one with several), or one sample by its own id."""
+        if self.ranks is not None:
+            sink = self._sinks.get(request_id)
+            if sink is not None:
+                sink.close()  # no piece is forwarded after the ranks drop the reservation
+            self.ranks.send(AbortRequest(request_id))  # each rank aborts the same samples
+        self._abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        self._read_on_ranks.discard(request_id)
         sink = self._sinks.pop(request_id, None)
         if sink is not None:
             sink.close()  # waits out a piece being written, so its room is freed only after
@@ -402,7 +543,7 @@ class LLMEngine:
             if request is not None and not request.finished:
                 self.scheduler.finish(request, "abort")
             for waiting in request.samples_to_fork if request is not None else []:
-                self.abort_request(waiting.request_id)  # they wait for this one's prompt
+                self._abort(waiting.request_id)  # they wait for this one's prompt
 
     def has_request(self, request_id: str) -> bool:
         """Whether `request_id` (a request, or one sample of one) is in flight here."""
@@ -414,6 +555,20 @@ class LLMEngine:
             return [request_id]
         ids = (sample_request_id(request_id, i) for i in range(MAX_SAMPLES))
         return [engine_id for engine_id in ids if engine_id in self.requests]
+
+    def finish_request(self, request_id: str, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a request the caller decided is done (a stop string it found in the text): its tokens
+        so far are its output; unknown or finished ids are ignored."""
+        if self.ranks is not None:
+            self.ranks.send(FinishRequest(request_id, reason, stop_reason))
+        request = self.requests.pop(request_id, None)
+        if request is not None and not request.finished:
+            self.scheduler.finish(request, reason, stop_reason)
+
+    def shutdown(self) -> None:
+        """End the other ranks' processes (a tensor-parallel engine); nothing to do with one rank."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def set_replay_listener(self, fn: ReplayListener | None) -> None:
         """`fn` hears a `ReplayPublish` each time a decoding request's slot folds a full window
@@ -472,6 +627,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestUpdate]:
         """Run one scheduled batch; return the requests that got tokens (finished ones included)."""
+        if self.ranks is not None:
+            self.ranks.send(Step())
         output = self.scheduler.schedule()
         if not output.scheduled:
             return []
@@ -480,6 +637,10 @@ class LLMEngine:
             if s.request.first_scheduled_s is None:
                 s.request.first_scheduled_s = now
         result = self.runner.execute(output.scheduled)
+        if self.driver_exports is not None and (calls := self.driver_exports.take_calls()):
+            assert self.ranks is not None  # rank 0 exported KDA shares: so did every rank, in order
+            for rank in range(1, self.tp.size):
+                self.driver_exports.relay(calls, self.ranks.receive(rank), rank)
         self.scheduler.postprocess(output, result.token_ids)
         drawn = self._fork_samples(output.scheduled, result.token_ids)  # before any stop frees a prompt
         updates = []
@@ -536,3 +697,13 @@ class LLMEngine:
                     sample.num_given_output_tokens = 1  # computed with the prompt, sampling goes on after it
                     self.scheduler.add(sample)
         return drawn
+
+
+def _model_config(config: EngineConfig) -> KimiLinearModelConfig:
+    return KimiLinearModelConfig.from_pretrained(Path(config.model).expanduser())
+
+
+def _check_kernels(mc: KimiLinearModelConfig, device: torch.device) -> None:
+    """Refuse a device this install has no KDA kernels for (CUDA without fla; kda_dispatch says what to do)."""
+    if mc.kda_layer_ids:
+        kda_backend(device)

@@ -15,8 +15,9 @@ from splitserve.engine.forward_batch import ForwardBatch, TokenGroup
 from splitserve.engine.host_pack import HostPack, block_tables, long_tensor
 from splitserve.engine.host_staging import to_device
 from splitserve.engine.model.kimi_linear import KimiLinearForCausalLM, LayerCaches
+from splitserve.engine.parallel.group import SINGLE, TensorParallel
 from splitserve.engine.request import Request
-from splitserve.engine.sampler import Sampler, SamplingRow
+from splitserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from splitserve.engine.scheduler import ScheduledRequest
 from splitserve.engine.state_transfer import extract_kda, extract_mla_rows, token_rows
 
@@ -48,8 +49,10 @@ class ModelRunner:
         device: torch.device,
         padding: DecodePadding | None = None,
         max_model_len: int | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         self.model = model
+        self.tp = tp
         self.caches = caches
         self.sampler = sampler
         self.block_size = block_size
@@ -98,19 +101,27 @@ class ModelRunner:
         drawing += [
             (i, r) for i, s in enumerate(sampling) for r in s.request.samples_to_fork if not r.finished
         ]
-        rows = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids) for _, r in drawing]
+        if self.tp.size > 1:
+            return self._sample_on_first_rank(drawing, len(sampling), hidden)
+        rows = _sampling_rows(drawing)
         self.sampler.prepare(rows)  # seeded rows' host-drawn noise, while the forward runs on the device
-        logits = self.model.compute_logits(hidden)
-        if len(drawing) > len(sampling):
-            logits = logits[torch.tensor([i for i, _ in drawing], dtype=torch.long, device=logits.device)]
-        out = self.sampler(logits, rows)
-        ids = {r.request_id: t for (_, r), t in zip(drawing, out.token_ids)}
-        lps: dict[str, dict[int, float]] = {}
-        if out.logprobs is not None:
-            for (_, r), lp in zip(drawing, out.logprobs):
-                if lp is not None:
-                    lps[r.request_id] = lp
-        return StepResult(ids, lps)
+        logits = _drawn_logits(self.model.compute_logits(hidden), drawing, len(sampling))
+        return _result(drawing, self.sampler(logits, rows))
+
+    def _sample_on_first_rank(
+        self, drawing: list[tuple[int, Request]], num_sampling: int, hidden: torch.Tensor
+    ) -> StepResult:
+        """Tensor parallel: each rank's slice of the vocabulary's logits is gathered on rank 0, which
+        samples; every rank gets the tokens (its scheduler moves on and its samples fork with them),
+        rank 0 the logprobs."""
+        logits = self.tp.gather_last_dim(self.model.compute_logits(hidden))
+        out = None
+        if logits is not None:
+            rows = _sampling_rows(drawing)
+            self.sampler.prepare(rows)
+            out = self.sampler(_drawn_logits(logits, drawing, num_sampling), rows)
+        token_ids = self.tp.broadcast_ids(out.token_ids if out else None, len(drawing), self.device)
+        return _result(drawing, out or SamplerOutput(token_ids, None))
 
     def _exporter(self, exporting: list[ScheduledRequest]) -> Callable[[int], None] | None:
         """After each layer, hand every exporting request its state that this layer made final:
@@ -148,12 +159,14 @@ class ModelRunner:
         return after_layer
 
     @torch.inference_mode()
-    def chunk_logits(self, chunk: ScheduledRequest) -> torch.Tensor:
-        """Logits of every token of one chunk (scoring / prompt logprobs), caches updated as usual."""
+    def chunk_logits(self, chunk: ScheduledRequest) -> torch.Tensor | None:
+        """Logits of every token of one chunk (scoring / prompt logprobs), caches updated as usual
+        (None on a tensor-parallel rank but the first: rank 0 gathers them)."""
         single, multi = ([chunk], []) if chunk.num_new_tokens == 1 else ([], [chunk])
         batch = self.build_batch(single, multi)
         batch.logits_indices = torch.arange(batch.num_tokens, device=self.device)
-        return self.model.compute_logits(self.model(batch, self.caches))
+        logits = self.model.compute_logits(self.model(batch, self.caches))
+        return logits if self.tp.size == 1 else self.tp.gather_last_dim(logits)
 
     def build_batch(
         self, singles: list[ScheduledRequest], multis: list[ScheduledRequest], num_padding: int = 0
@@ -223,6 +236,30 @@ class ModelRunner:
             table_id,
             valid_id,
         )
+
+
+def _sampling_rows(drawing: list[tuple[int, Request]]) -> list[SamplingRow]:
+    return [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids) for _, r in drawing]
+
+
+def _drawn_logits(
+    logits: torch.Tensor, drawing: list[tuple[int, Request]], num_sampling: int
+) -> torch.Tensor:
+    """One logits row per drawing request (the `num_sampling` scheduled ones first): a prompt's row
+    repeated for its samples that fork."""
+    if len(drawing) == num_sampling:
+        return logits
+    return logits[torch.tensor([i for i, _ in drawing], dtype=torch.long, device=logits.device)]
+
+
+def _result(drawing: list[tuple[int, Request]], out: SamplerOutput) -> StepResult:
+    ids = {r.request_id: t for (_, r), t in zip(drawing, out.token_ids)}
+    lps: dict[str, dict[int, float]] = {}
+    if out.logprobs is not None:
+        for (_, r), lp in zip(drawing, out.logprobs):
+            if lp is not None:
+                lps[r.request_id] = lp
+    return StepResult(ids, lps)
 
 
 @dataclass

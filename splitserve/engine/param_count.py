@@ -8,7 +8,8 @@ torch's meta device, for tiny configs and the 48B shape.
 Bytes follow the loader: every tensor in the model dtype except the router weight, its
 score-correction bias and KDA's `dt_bias`, which stay fp32 (`loader._FP32_SUFFIXES`). After
 loading, `finalize()` builds fused copies (the dense MLPs' gate_up, KDA's in_proj and conv
-weight, MLA's absorbed w_uk/w_uv) beside the originals; they are counted separately.
+weight, MLA's absorbed w_uk/w_uv) beside the originals; they are counted separately. Under tensor
+(and expert) parallelism every count is one rank's, which the test checks against a rank's model.
 """
 
 from __future__ import annotations
@@ -53,19 +54,36 @@ class WeightCount:
         )
 
 
-def count_weights(config: KimiLinearModelConfig) -> WeightCount:
-    """The whole model: embeddings, every decoder layer, the final norm and the LM head."""
-    h, v = config.hidden_size, config.vocab_size
+def count_weights(
+    config: KimiLinearModelConfig, tensor_parallel: int = 1, expert_parallel: bool = False
+) -> WeightCount:
+    """The whole model: embeddings, every decoder layer, the final norm and the LM head; with
+    `tensor_parallel` N, one rank's share (engine/parallel/: heads, MLP columns and the vocabulary
+    cut N ways, the MLA latent path, norms and router whole on every rank; `expert_parallel`: whole
+    experts, E / N of them, instead of every expert's cut columns)."""
+    cut = _Cut(tensor_parallel, expert_parallel)
+    h, v = config.hidden_size, cut(config.vocab_size)
     lm_head = 0 if config.tie_word_embeddings else v * h  # a tied head is the embedding itself
     total = WeightCount(v * h + h + lm_head, 0, 0, 0)
     for layer_id, mixer in enumerate(config.layer_types):
         total += WeightCount(2 * h, 0, 0, 0)  # input and post-attention RMSNorms
-        total += _mla(config) if mixer == FULL_ATTENTION else _kda(config)
+        total += _mla(config, cut) if mixer == FULL_ATTENTION else _kda(config, cut)
         if config.mlp_layer_types[layer_id] == "sparse":
-            total += _moe(config)
+            total += _moe(config, cut)
         else:
-            total += _gated_mlp(h, config.intermediate_size)
+            total += _gated_mlp(h, cut(config.intermediate_size))
     return total
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """One rank's share of a dimension the ranks split (the layers' `TensorParallel.split`)."""
+
+    num_ranks: int
+    expert_parallel: bool
+
+    def __call__(self, count: int) -> int:
+        return count // self.num_ranks
 
 
 def _gated_mlp(hidden: int, intermediate: int) -> WeightCount:
@@ -73,15 +91,16 @@ def _gated_mlp(hidden: int, intermediate: int) -> WeightCount:
     return WeightCount(3 * hidden * intermediate, 0, 2 * hidden * intermediate, 0)
 
 
-def _moe(config: KimiLinearModelConfig) -> WeightCount:
+def _moe(config: KimiLinearModelConfig, cut: _Cut) -> WeightCount:
     h, e, i = config.hidden_size, config.num_local_experts, config.moe_intermediate_size
-    router = e * h + e  # fp32 weight and e_score_correction_bias buffer
-    experts = e * 3 * i * h  # w13 [E, 2I, H] and w2 [E, H, I]
-    return WeightCount(router + experts, router, 0, 0) + _gated_mlp(h, i * config.n_shared_experts)
+    router = e * h + e  # fp32 weight and e_score_correction_bias buffer, whole on every rank
+    # w13 [E, 2I, H] and w2 [E, H, I]: whole experts per rank, or each expert's columns cut
+    experts = cut(e) * 3 * i * h if cut.expert_parallel else e * 3 * cut(i) * h
+    return WeightCount(router + experts, router, 0, 0) + _gated_mlp(h, cut(i * config.n_shared_experts))
 
 
-def _mla(config: KimiLinearModelConfig) -> WeightCount:
-    h, heads, rank = config.hidden_size, config.num_attention_heads, config.kv_lora_rank
+def _mla(config: KimiLinearModelConfig, cut: _Cut) -> WeightCount:
+    h, heads, rank = config.hidden_size, cut(config.num_attention_heads), config.kv_lora_rank
     bias = config.attention_bias
     qk = heads * config.qk_head_dim
     if config.q_lora_rank is None:
@@ -89,7 +108,7 @@ def _mla(config: KimiLinearModelConfig) -> WeightCount:
     else:
         r = config.q_lora_rank
         q = h * r + (r if bias else 0) + r + r * qk  # q_a_proj (+ bias), q_a_layernorm, q_b_proj
-    kv_a_out = rank + config.qk_rope_head_dim
+    kv_a_out = rank + config.qk_rope_head_dim  # the latent: whole on every rank
     kv_a = h * kv_a_out + (kv_a_out if bias else 0)
     kv_b = rank * heads * (config.qk_nope_head_dim + config.v_head_dim)
     o = heads * config.v_head_dim * h + (h if bias else 0)
@@ -97,9 +116,9 @@ def _mla(config: KimiLinearModelConfig) -> WeightCount:
     return WeightCount(q + kv_a + rank + kv_b + o, 0, kv_b, 0)
 
 
-def _kda(config: KimiLinearModelConfig) -> WeightCount:
-    h, heads, head_dim = config.hidden_size, config.linear_num_heads, config.linear_head_dim
-    dim, kernel = config.kda_qkv_dim, config.linear_conv_kernel_dim
+def _kda(config: KimiLinearModelConfig, cut: _Cut) -> WeightCount:
+    h, heads, head_dim = config.hidden_size, cut(config.linear_num_heads), config.linear_head_dim
+    dim, kernel = heads * head_dim, config.linear_conv_kernel_dim
     in_rows = 3 * dim + head_dim + heads + head_dim  # q, k, v, f_a, b, g_a: fused into in_proj
     params = (
         in_rows * h

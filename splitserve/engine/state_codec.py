@@ -7,7 +7,8 @@ comes back with `getattr(torch, name)`.
 An MLA layer's rows may arrive in several pieces (one per prefill chunk), so its chunks are
 numbered by token: chunk_index is the position of the chunk's first token and num_chunks the
 prompt's length. Those ids are unique per (key, layer, kind) however the prompt was cut, and
-sorting by them orders the rows. KDA states keep 0..n-1.
+sorting by them orders the rows. KDA states keep 0..n-1. A tensor-parallel rank's KDA state names
+its heads (`LayerState.heads`, in every chunk): each rank's share is an object of its own.
 """
 
 from __future__ import annotations
@@ -22,13 +23,22 @@ import torch
 
 from splitserve.engine.host_staging import PinnedCopy, to_pinned
 from splitserve.engine.state_transfer import LayerState
-from splitserve.state import DEFAULT_CHUNK_BYTES, Chunk, ChunkMeta, CorruptStateError, StateKind, make_chunks
+from splitserve.state import (
+    DEFAULT_CHUNK_BYTES,
+    Chunk,
+    ChunkMeta,
+    CorruptStateError,
+    HeadRange,
+    StateKind,
+    make_chunks,
+)
 
 
 class PieceSink(Protocol):
     """Where `write_state` queues a tensor's bytes: the store client's `PutStream` (a worker owns
     it; the engine never imports gRPC), or a test's fake. `ready`, when given, is called by the
-    thread that reads `data`, before it does (a device copy into `data` may still be running)."""
+    thread that reads `data`, before it does (a device copy into `data` may still be running).
+    `heads`: a tensor-parallel rank's share of a KDA state's heads (None: all of them)."""
 
     def write_state(
         self,
@@ -41,6 +51,7 @@ class PieceSink(Protocol):
         token_start: int,
         token_end: int,
         num_tokens: int | None = None,
+        heads: HeadRange | None = None,
         ready: Callable[[], None] | None = None,
     ) -> None: ...
 
@@ -101,8 +112,10 @@ def _queue(
 
 
 def _layout(state: LayerState, dtype: str, shape: tuple[int, ...]) -> dict[str, Any]:
-    """What a chunk and a put piece both say of a state's bytes: dtype, shape, token range."""
-    return {"dtype": dtype, "shape": shape, "token_start": state.token_start, "token_end": state.token_end}
+    """What a chunk and a put piece both say of a state's bytes: dtype, shape, token range (and the
+    heads of a tensor-parallel rank's share)."""
+    layout = {"dtype": dtype, "shape": shape, "token_start": state.token_start, "token_end": state.token_end}
+    return layout if state.heads is None else {**layout, "heads": state.heads}
 
 
 def host_bytes(tensor: torch.Tensor) -> tuple[memoryview, str, tuple[int, ...]]:
@@ -123,7 +136,7 @@ def decode_pieces(chunks: Iterable[Chunk], kda_in_place: bool = False) -> Iterat
 
     Raises `CorruptStateError` if a KDA state's chunks do not add up or the stream ends mid-state.
     """
-    pending: dict[tuple[int, StateKind], list[Chunk]] = {}
+    pending: dict[tuple[int, StateKind, HeadRange | None], list[Chunk]] = {}
     for chunk in chunks:
         meta = chunk.meta
         if meta.kind is StateKind.MLA_KV:
@@ -135,14 +148,17 @@ def decode_pieces(chunks: Iterable[Chunk], kda_in_place: bool = False) -> Iterat
             tensor = _view(chunk.data, meta.dtype, meta.shape)
             yield LayerState(meta.layer, meta.kind, tensor, meta.token_start, meta.token_end, meta.num_chunks)
             continue
-        parts = pending.setdefault((meta.layer, meta.kind), [])
+        object_id = (meta.layer, meta.kind, meta.heads)  # a rank's heads are an object of their own
+        parts = pending.setdefault(object_id, [])
         _check_continues(parts, meta)
         parts.append(chunk)
         if len(parts) == meta.num_chunks:
-            del pending[(meta.layer, meta.kind)]
+            del pending[object_id]
             in_place = kda_in_place and len(parts) == 1  # no copy: a reader only copies it out
             tensor = _view(chunk.data, meta.dtype, meta.shape) if in_place else _tensor(parts)
-            yield LayerState(meta.layer, meta.kind, tensor, parts[0].meta.token_start, meta.token_end)
+            yield LayerState(
+                meta.layer, meta.kind, tensor, parts[0].meta.token_start, meta.token_end, heads=meta.heads
+            )
     if pending:
         raise CorruptStateError(f"state stream ended with {len(pending)} incomplete KDA states")
 
@@ -154,17 +170,19 @@ def decode(chunks: Iterable[Chunk]) -> Iterator[LayerState]:
     Yields each state as its last chunk lands. Raises `CorruptStateError` if the chunks of one
     state do not add up (out of order, mixed dtypes or row shapes) or the stream ends mid-state.
     """
-    pending: dict[tuple[int, StateKind], list[Chunk]] = {}
+    pending: dict[tuple[int, StateKind, HeadRange | None], list[Chunk]] = {}
     for chunk in chunks:
         meta = chunk.meta
-        object_id = (meta.layer, meta.kind)
+        object_id = (meta.layer, meta.kind, meta.heads)
         parts = pending.setdefault(object_id, [])
         _check_continues(parts, meta)
         parts.append(chunk)
         if (meta.token_end if meta.kind is StateKind.MLA_KV else len(parts)) == meta.num_chunks:
             del pending[object_id]
             first = parts[0].meta
-            yield LayerState(meta.layer, meta.kind, _tensor(parts), first.token_start, meta.token_end)
+            yield LayerState(
+                meta.layer, meta.kind, _tensor(parts), first.token_start, meta.token_end, heads=meta.heads
+            )
     if pending:
         raise CorruptStateError(f"state stream ended with {len(pending)} incomplete layer states")
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.model.kimi_linear import LayerCaches
-from splitserve.state import StateKind
+from splitserve.state import HeadRange, StateKind
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,8 @@ class LayerState:
     token_start: int
     token_end: int
     num_prompt_tokens: int | None = None  # None: token_end (the piece ends the prompt)
+    # a tensor-parallel rank's share of a KDA state's heads (engine/parallel/heads.py); None: every head
+    heads: HeadRange | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -50,14 +52,15 @@ def token_rows(block_table: list[int], num_tokens: int, block_size: int, start: 
     return table[positions // block_size] * block_size + positions % block_size
 
 
-def state_bytes(caches: LayerCaches, num_tokens: int) -> int:
+def state_bytes(caches: LayerCaches, num_tokens: int, num_ranks: int = 1) -> int:
     """Bytes of one request's whole state for a prompt of `num_tokens` tokens (what a writer
-    can tell its store up front, so one region holds it all)."""
+    can tell its store up front, so one region holds it all). `num_ranks`: the caches are one
+    tensor-parallel rank's of so many, each exporting its share of the KDA heads."""
     mla = sum(kv.shape[1] * kv.element_size() * num_tokens for kv in caches.mla_kv.values())
     kda = sum(
         t[0].numel() * t.element_size() for t in (*caches.kda_conv.values(), *caches.kda_recurrent.values())
     )
-    return mla + kda
+    return mla + kda * num_ranks
 
 
 def extract_mla_rows(

@@ -13,6 +13,7 @@ from splitserve.state.chunk import (
     Chunk,
     ChunkId,
     ChunkMeta,
+    HeadRange,
     StateKind,
     make_chunks,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "ChunkId",
     "ChunkMeta",
     "CorruptStateError",
+    "HeadRange",
     "InvalidChunkError",
     "KeyInfo",
     "KeySealedError",

@@ -31,13 +31,25 @@ class StateKind(str, enum.Enum):
     KDA_RECURRENT = "kda_recurrent"  # KDA recurrent state of one request's slot
 
 
+class HeadRange(NamedTuple):
+    """The KDA heads [start, end) of `num_heads` a state object holds: a tensor-parallel rank's
+    share (engine/parallel/heads.py re-shards on read). An object without one holds every head;
+    MLA rows never have one (the latent is every head's: each rank holds it whole)."""
+
+    start: int
+    end: int
+    num_heads: int
+
+
 class ChunkId(NamedTuple):
-    """Where a chunk sits in the store: unique per stored chunk."""
+    """Where a chunk sits in the store: unique per stored chunk. Objects of one (key, layer, kind)
+    written by ranks of different head ranges are apart (`head_start`; -1: every head)."""
 
     key: str
     layer: int
     kind: StateKind
     chunk_index: int
+    head_start: int = -1
 
 
 @dataclass(frozen=True)
@@ -54,10 +66,14 @@ class ChunkMeta:
     checksum: int
     chunk_index: int = 0
     num_chunks: int = 1
+    heads: HeadRange | None = None  # a rank's share of a KDA state's heads; None: every head
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", StateKind(self.kind))
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if self.heads is not None:
+            object.__setattr__(self, "heads", HeadRange(*(int(h) for h in self.heads)))
+        heads = self.heads or HeadRange(0, 1, 1)
         problems = [
             (bool(self.key), "key must be a non-empty string"),
             (self.layer >= 0, f"layer must be >= 0 (got {self.layer})"),
@@ -74,6 +90,14 @@ class ChunkMeta:
                 0 <= self.chunk_index < self.num_chunks,
                 f"chunk_index {self.chunk_index} is outside [0, num_chunks={self.num_chunks})",
             ),
+            (
+                0 <= heads.start < heads.end <= heads.num_heads,
+                f"heads [{heads.start}, {heads.end}) of {heads.num_heads} are not a range of heads",
+            ),
+            (
+                self.heads is None or self.kind is not StateKind.MLA_KV,
+                "MLA rows hold every head's latent: they have no head range",
+            ),
         ]
         for ok, message in problems:
             if not ok:
@@ -81,14 +105,18 @@ class ChunkMeta:
 
     @property
     def id(self) -> ChunkId:
-        return ChunkId(self.key, self.layer, self.kind, self.chunk_index)
+        head_start = -1 if self.heads is None else self.heads.start
+        return ChunkId(self.key, self.layer, self.kind, self.chunk_index, head_start)
 
     @property
     def num_bytes(self) -> int:
         return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
 
     def describe(self) -> str:
-        return f"key {self.key!r} layer {self.layer} {self.kind.value} chunk {self.chunk_index}/{self.num_chunks}"
+        heads = (
+            "" if self.heads is None else f" heads {self.heads.start}-{self.heads.end}/{self.heads.num_heads}"
+        )
+        return f"key {self.key!r} layer {self.layer} {self.kind.value}{heads} chunk {self.chunk_index}/{self.num_chunks}"
 
 
 @dataclass(frozen=True)
@@ -197,6 +225,7 @@ def cut(
         token_start=meta.token_start,
         token_end=meta.token_end,
         max_chunk_bytes=max_chunk_bytes,
+        heads=meta.heads,
     )
     if not _numbered_by_token(meta):
         return chunks
@@ -214,8 +243,10 @@ def make_chunks(
     token_start: int,
     token_end: int,
     max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    heads: HeadRange | None = None,
 ) -> list[Chunk]:
-    """Splits one tensor's bytes along dim 0 (`chunk_layout`) into checksummed chunks.
+    """Splits one tensor's bytes along dim 0 (`chunk_layout`) into checksummed chunks (each
+    naming `heads`, the rank's share of a KDA state's heads, when given).
 
     `data` may be any C-contiguous buffer (a memoryview of a tensor's memory too): each chunk's
     bytes are copied out of it once, and nothing else is.
@@ -245,6 +276,7 @@ def make_chunks(
             checksum.compute(piece),
             index,
             len(spans),
+            heads,
         )
         chunks.append(Chunk(meta, piece.tobytes()))
     return chunks

@@ -18,7 +18,15 @@ from dataclasses import dataclass
 import grpc
 
 from splitserve.state import checksum
-from splitserve.state.chunk import DEFAULT_CHUNK_BYTES, Chunk, ChunkMeta, StateKind, cut, number_by_token
+from splitserve.state.chunk import (
+    DEFAULT_CHUNK_BYTES,
+    Chunk,
+    ChunkMeta,
+    HeadRange,
+    StateKind,
+    cut,
+    number_by_token,
+)
 from splitserve.state.errors import InvalidChunkError, StateTimeoutError
 from splitserve.state.shm import LocalArena, SlabWriter
 from splitserve.state.status import error_from_rpc
@@ -43,6 +51,7 @@ class StatePiece:
     token_end: int
     max_chunk_bytes: int
     num_tokens: int | None  # MLA pieces of a layer numbered by token (`number_by_token`)
+    heads: HeadRange | None = None  # a tensor-parallel rank's share of a KDA state's heads
     ready: Callable[[], None] | None = None  # called on the sending thread before `data` is read
 
     def meta(self, key: str) -> ChunkMeta:
@@ -53,7 +62,15 @@ class StatePiece:
                 f"MLA KV of shape {self.shape} does not have a row per token of [{self.token_start}, {self.token_end})"
             )
         meta = ChunkMeta(
-            key, self.layer, self.kind, self.dtype, self.shape, self.token_start, self.token_end, 0
+            key,
+            self.layer,
+            self.kind,
+            self.dtype,
+            self.shape,
+            self.token_start,
+            self.token_end,
+            0,
+            heads=self.heads,
         )
         return meta if self.num_tokens is None else number_by_token(meta, self.num_tokens)
 
@@ -183,6 +200,7 @@ class PutStream:
         token_end: int,
         max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         num_tokens: int | None = None,
+        heads: HeadRange | None = None,
         ready: Callable[[], None] | None = None,
     ) -> None:
         """Queues one tensor's bytes (any C-contiguous buffer, e.g. a CPU tensor's memory) as
@@ -194,6 +212,7 @@ class PutStream:
         is still filling (`engine.host_staging.PinnedCopy.wait`). An MLA layer written in
         several pieces (one per prefill chunk) passes the prompt's `num_tokens`: its chunks are
         then numbered by token (`number_by_token`), as the engine's state codec numbers them.
+        `heads`: the share of a KDA state's heads a tensor-parallel rank writes (`HeadRange`).
         Held instead of queued while fewer than `hold_bytes` are held (see the class)."""
         piece = StatePiece(
             layer,
@@ -205,6 +224,7 @@ class PutStream:
             token_end,
             max_chunk_bytes,
             num_tokens,
+            heads,
             ready,
         )
         with self._held_lock:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from splitserve.state.chunk import Chunk, ChunkMeta, StateKind
+from splitserve.state.chunk import Chunk, ChunkMeta, HeadRange, StateKind
 from splitserve.state.errors import InvalidChunkError
 from splitserve.state.records import KeyInfo, StoreStats, TierStats
 from splitserve.v1 import common_pb2, store_pb2
@@ -67,6 +67,15 @@ def chunk_to_proto(
         final=final,
         region=region,
         region_offset=region_offset,
+        **_heads_to_proto(meta.heads),
+    )
+
+
+def _heads_to_proto(heads: HeadRange | None) -> dict[str, int]:
+    return (
+        {}
+        if heads is None
+        else {"head_start": heads.start, "head_end": heads.end, "num_heads": heads.num_heads}
     )
 
 
@@ -86,6 +95,7 @@ def meta_from_proto(msg: common_pb2.StateChunk) -> ChunkMeta:
         msg.checksum,
         msg.chunk_index,
         msg.num_chunks,
+        HeadRange(msg.head_start, msg.head_end, msg.num_heads) if msg.num_heads else None,
     )
 
 

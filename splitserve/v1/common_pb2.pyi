@@ -90,7 +90,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StateChunk(_message.Message):
-    __slots__ = ("key", "layer", "kind", "dtype", "shape", "token_start", "token_end", "checksum", "data", "chunk_index", "num_chunks", "owner", "lease_s", "final", "region", "region_offset")
+    __slots__ = ("key", "layer", "kind", "dtype", "shape", "token_start", "token_end", "checksum", "data", "chunk_index", "num_chunks", "owner", "lease_s", "final", "region", "region_offset", "head_start", "head_end", "num_heads")
     KEY_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,9 @@ class StateChunk(_message.Message):
     FINAL_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     REGION_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    HEAD_END_FIELD_NUMBER: _ClassVar[int]
+    NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
     key: str
     layer: int
     kind: StateKind
@@ -123,7 +126,10 @@ class StateChunk(_message.Message):
     final: bool
     region: str
     region_offset: int
-    def __init__(self, key: _Optional[str] = ..., layer: _Optional[int] = ..., kind: _Optional[_Union[StateKind, str]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., checksum: _Optional[int] = ..., data: _Optional[bytes] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ..., owner: _Optional[str] = ..., lease_s: _Optional[float] = ..., final: _Optional[bool] = ..., region: _Optional[str] = ..., region_offset: _Optional[int] = ...) -> None: ...
+    head_start: int
+    head_end: int
+    num_heads: int
+    def __init__(self, key: _Optional[str] = ..., layer: _Optional[int] = ..., kind: _Optional[_Union[StateKind, str]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., checksum: _Optional[int] = ..., data: _Optional[bytes] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ..., owner: _Optional[str] = ..., lease_s: _Optional[float] = ..., final: _Optional[bool] = ..., region: _Optional[str] = ..., region_offset: _Optional[int] = ..., head_start: _Optional[int] = ..., head_end: _Optional[int] = ..., num_heads: _Optional[int] = ...) -> None: ...
 
 class StateHandle(_message.Message):
     __slots__ = ("store_address", "key", "owner", "num_layers", "lease_expiry_unix_s")

@@ -70,8 +70,12 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.StateHandle, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., timing: _Optional[_Union[PrefillTiming, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[_common_pb2.SampleStart, _Mapping]]] = ...) -> None: ...
 
 class CacheReportRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("instance_id", "after_seq")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    after_seq: int
+    def __init__(self, instance_id: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
 
 class PrefixEvent(_message.Message):
     __slots__ = ("stored", "block_hash", "num_tokens")
@@ -84,7 +88,7 @@ class PrefixEvent(_message.Message):
     def __init__(self, stored: _Optional[bool] = ..., block_hash: _Optional[bytes] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefixCacheReport(_message.Message):
-    __slots__ = ("instance_id", "events", "num_queried_tokens", "num_hit_tokens", "num_imported_tokens", "num_lost_to_missing_state_tokens", "num_snapshots", "snapshot_bytes", "num_evictions")
+    __slots__ = ("instance_id", "events", "num_queried_tokens", "num_hit_tokens", "num_imported_tokens", "num_lost_to_missing_state_tokens", "num_snapshots", "snapshot_bytes", "num_evictions", "last_seq", "snapshot")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     NUM_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +98,8 @@ class PrefixCacheReport(_message.Message):
     NUM_SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     events: _containers.RepeatedCompositeFieldContainer[PrefixEvent]
     num_queried_tokens: int
@@ -103,7 +109,9 @@ class PrefixCacheReport(_message.Message):
     num_snapshots: int
     snapshot_bytes: int
     num_evictions: int
-    def __init__(self, instance_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[PrefixEvent, _Mapping]]] = ..., num_queried_tokens: _Optional[int] = ..., num_hit_tokens: _Optional[int] = ..., num_imported_tokens: _Optional[int] = ..., num_lost_to_missing_state_tokens: _Optional[int] = ..., num_snapshots: _Optional[int] = ..., snapshot_bytes: _Optional[int] = ..., num_evictions: _Optional[int] = ...) -> None: ...
+    last_seq: int
+    snapshot: bool
+    def __init__(self, instance_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[PrefixEvent, _Mapping]]] = ..., num_queried_tokens: _Optional[int] = ..., num_hit_tokens: _Optional[int] = ..., num_imported_tokens: _Optional[int] = ..., num_lost_to_missing_state_tokens: _Optional[int] = ..., num_snapshots: _Optional[int] = ..., snapshot_bytes: _Optional[int] = ..., num_evictions: _Optional[int] = ..., last_seq: _Optional[int] = ..., snapshot: _Optional[bool] = ...) -> None: ...
 
 class AbortPrefillRequest(_message.Message):
     __slots__ = ("request_id",)

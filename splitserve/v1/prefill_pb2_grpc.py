@@ -72,9 +72,10 @@ class PrefillServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CacheReport(self, request, context):
-        """The engine's prefix cache since the last call: which prefix units became usable hits and
-        which stopped being ones (drained: the gateway is the one reader), and its counters. The
-        gateway's router polls it to keep its index of which worker holds which prefixes.
+        """The engine's prefix cache: which prefix units became usable hits and which stopped being
+        ones since the reader's cursor (or, for a reader without one, every unit usable now), and
+        its counters. Every gateway polls it to keep its router's index of which worker holds which
+        prefixes; each reader keeps its own cursor, so several gateways each see every event.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

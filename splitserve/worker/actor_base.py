@@ -49,7 +49,15 @@ class WorkerActorBase:
         raise NotImplementedError
 
     def health(self) -> bool:
-        return self.loop is not None and self.loop.alive
+        """The engine loop runs and, for a tensor-parallel engine, every rank's process does: a
+        worker's ranks are one unit (one ended, the controller restarts the worker whole)."""
+        if self.loop is None or not self.loop.alive:
+            return False
+        ranks = self.loop.engine.ranks
+        ended = ranks.ended() if ranks is not None else None
+        if ended is not None:
+            logger.error("%s %s is unhealthy: %s", self.role, self.worker_id, ended)
+        return ended is None
 
     def stats(self) -> dict[str, Any]:
         """The engine's load as of its last step, at once, even while a long step runs (the
@@ -76,6 +84,10 @@ class WorkerActorBase:
             "num_preemptions": snap.num_preemptions,
             # swap preemption (engine/swap_space.py; zeros when preempting by recompute)
             **{f"swap_{k}": v for k, v in dataclasses.asdict(snap.swap).items()},
+            # a tensor-parallel worker's other ranks, processes beside this actor (empty with one rank)
+            "rank_pids": [proc.pid for proc in ranks.procs] if (ranks := self.loop.engine.ranks) else [],
+            # handed-off pieces rank 0 cut and sent to its other ranks (0 where each reads the store)
+            "rank_forwarded_pieces": self.loop.engine.num_forwarded_pieces,
         }
 
     def shutdown(self, drain_timeout_s: float = 0.0) -> int:
@@ -91,6 +103,8 @@ class WorkerActorBase:
             close()  # the channels it opened (to state stores)
         if self.loop is not None:
             self.loop.stop()
+            if not self.loop.alive:  # the loop thread is out of the engine: end its other ranks
+                self.loop.engine.shutdown()
         return num_held
 
     def _drain(self, timeout_s: float) -> int:

@@ -112,6 +112,10 @@ class FakeGateway(_Fake):
 
     def __init__(self, settings: FakeSettings) -> None:
         self.settings = settings
+        ray.get(_registry().record.remote("gateway_settings", dict(settings.__dict__)))
+
+    def use_ledger(self, ledger: Any, gateway_index: int) -> None:
+        ray.get(_registry().record.remote("use_ledger", gateway_index, ray.get(ledger.health.remote())))
 
     def update_workers(
         self, prefill_addresses: list[str], decode_addresses: list[str], stores: dict[str, str] | None = None

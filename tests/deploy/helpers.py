@@ -60,9 +60,9 @@ def wait_until(probe: Callable[[], T | None], *, timeout_s: float = 60, what: st
 
 # The documented shape of `status()` (deploy/README.md, "Status as JSON").
 STATUS_KEYS = {"mode", "model", "started", "stopped", "healthy", "gateway", "pools", "stores", "published"}
-STATUS_KEYS |= {"apply", "autoscale"}
+STATUS_KEYS |= {"apply", "autoscale", "gateways", "ledger"}
 POOL_KEYS = {"role", "replicas", "placement", "bundle", "addresses", "num_healthy", "healthy", "restarts"}
-POOL_KEYS |= {"load", "workers", "desired_replicas", "num_outdated", "node_labels"}
+POOL_KEYS |= {"load", "workers", "desired_replicas", "num_outdated", "node_labels", "tensor_parallel"}
 APPLY_KEYS = {"in_progress", "plan", "done", "step", "error"}
 ROW_KEYS = {"kind", "pool", "index", "address", "node_id", "node_ip", "pid", "healthy", "restarts"}
 ROW_KEYS |= {"given_up", "error", "stats"}
@@ -72,7 +72,8 @@ def check_status_shape(status: dict[str, Any]) -> None:
     """Assert that `status` is plain JSON with the documented keys, every actor placed and running."""
     assert json.loads(json.dumps(status)) == status
     assert set(status) == STATUS_KEYS
-    rows = [status["gateway"], *status["stores"]]
+    assert status["gateway"] == status["gateways"][0]
+    rows = [*status["gateways"], *status["stores"], *([status["ledger"]] if status["ledger"] else [])]
     assert set(status["apply"]) == APPLY_KEYS
     for name, pool in status["pools"].items():
         assert set(pool) == POOL_KEYS
@@ -81,7 +82,7 @@ def check_status_shape(status: dict[str, Any]) -> None:
             assert worker["pool"] == name and worker["kind"] == pool["role"]
             assert worker["outdated"] is False  # no apply has run
         rows += pool["workers"]
-    assert set(status["gateway"]) == ROW_KEYS | {"url"}
+    assert all(set(gateway) == ROW_KEYS | {"url"} for gateway in status["gateways"])
     for row in rows:
         assert set(row) >= ROW_KEYS, row
         assert isinstance(row["pid"], int) and row["pid"] > 0, row

@@ -16,7 +16,7 @@ from deploy.autoscale.observe import GatewayView, observe
 from deploy.autoscale.planner import Planner, PlannerHooks
 from deploy.autoscale.resources import wanted_bundles
 from deploy.autoscale.window import difference, quantile
-from deploy.members import Member, Pool
+from deploy.members import Member, Pool, Roster
 from splitserve.config import ConfigError, SloConfig, parse_config
 
 BOUNDS = [0.01, 0.05, 0.1, 0.5, "+Inf"]
@@ -171,8 +171,9 @@ def test_a_pool_in_the_middle_of_a_change_is_not_judged():
 def test_the_bundles_asked_for_are_everything_the_deployment_wants_with_one_more():
     deployment = Scripted()
     deployment.pool.spec = SimpleNamespace(bundle={"CPU": 0.5}, labels={"node-type": "big"})  # type: ignore[assignment]
-    pools = {"prefill": deployment.prefill, "decode": deployment.pool}
-    bundles = wanted_bundles(deployment.config, pools, 1, {"decode": 1})
+    roster = Roster(pools={"prefill": deployment.prefill, "decode": deployment.pool})
+    roster.stores["node-1"] = Member(kind="store", index=0)
+    bundles = wanted_bundles(deployment.config, roster, {"decode": 1})
     # prefill 1, decode 1 + 1, the gateway, one store
     assert [shape for shape, _ in bundles] == [
         {"CPU": 0.5},

@@ -20,7 +20,7 @@ from cli.main import main
 from deploy import serve
 from deploy.launcher import run_cluster
 from deploy.local_deployments import RUNTIME_DIR_ENV
-from deploy.report import status_line, status_table
+from deploy.report import status_line, status_table, unhealthy_parts
 from tests.deploy.fakes import FAKE_CLASSES, REGISTRY_NAME, REGISTRY_NAMESPACE, Registry
 from tests.deploy.helpers import is_dead, is_dead_controller, small_config
 from tests.deploy.splitserve_process import run_splitserve
@@ -45,13 +45,13 @@ def test_config_check_prints_the_validated_config(tmp_path, capsys):
 
 def test_config_check_prints_the_one_clear_error(tmp_path, capsys):
     path = tmp_path / "bad.yaml"
-    path.write_text("decode: {tensor_parallel: 4}\n")
+    path.write_text("decode: {tensor_parallel: 4, placement: STRICT_SPREAD}\n")
     assert main(["config", "check", str(path)]) == 1
     out, err = capsys.readouterr()
     assert out == ""
     assert err.strip() == (
-        f"splitserve config check: {path}: decode.tensor_parallel: tensor_parallel > 1 is not "
-        "supported yet (got 4); scale out with replicas"
+        f"splitserve config check: {path}: decode: placement STRICT_SPREAD with tensor_parallel 4: a "
+        "replica's ranks are processes of one node, so its bundles must be packed; use PACK or STRICT_PACK"
     )
 
 
@@ -135,6 +135,20 @@ def test_the_status_table_names_a_worker_holding_slots_with_nothing_running():
     worker["stats"] = {"num_running": 0, "num_idle_held_slots": 16}
     row = status_table(leaking).splitlines()[3]
     assert "yes (holds 16 state slots with nothing running)" in row
+
+
+def test_the_status_table_lists_each_gateway_process_with_its_own_port_and_the_ledger():
+    several = copy.deepcopy(STATUS)
+    first = dict(several["gateway"], stats={"own_address": "0.0.0.0:41001"})
+    second = dict(first, index=1, healthy=False, restarts=1, error="actor died", stats={})
+    ledger = dict(first, kind="ledger", address="1a2b3c4d5e6f", url=None, stats={"num_waiting": 2})
+    several.update(gateways=[first, second], ledger=ledger)
+    assert status_line(several).endswith("stores 0/0, gateways 1/2; 5 restarts")
+    lines = status_table(several).splitlines()
+    assert lines[2].split()[:5] == ["gateway", "0", "http://10.0.0.1:8000", "(own", "0.0.0.0:41001)"]
+    assert lines[3].split()[:3] == ["gateway", "1", "http://10.0.0.1:8000"] and "actor died" in lines[3]
+    assert lines[4].split()[:3] == ["ledger", "0", "1a2b3c4d5e6f"] and "waiting=2" in lines[4]
+    assert unhealthy_parts(several) == "decode 0 (actor died); gateway 1 (actor died)"
 
 
 @pytest.fixture

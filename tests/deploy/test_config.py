@@ -191,9 +191,40 @@ def test_bad_custom_resources_are_refused_naming_the_key(tmp_path, resources, me
     assert message in error_of(tmp_path, f"decode: {{resources: {resources}}}")
 
 
-def test_tensor_parallel_above_one_is_not_supported_yet(tmp_path):
-    message = error_of(tmp_path, "decode: {tensor_parallel: 2}")
-    assert "decode.tensor_parallel: tensor_parallel > 1 is not supported yet (got 2)" in message
+def test_tensor_and_expert_parallel_per_pool_reach_the_engines(tmp_path):
+    config = load_config(
+        write(tmp_path, "prefill: {tensor_parallel: 2}\ndecode: {tensor_parallel: 4, expert_parallel: true}")
+    )
+    engines = [config.engine_config(pool, model_path="m") for pool in ("prefill", "decode")]
+    assert [(e.tensor_parallel_size, e.expert_parallel) for e in engines] == [(2, False), (4, True)]
+    # a bundle per rank: gateway 0.25 + store 0.25 + prefill 2 x 1 + decode 4 x 1 CPUs
+    assert required_resources(config) == {"CPU": 6.5, "GPU": 0.0}
+
+
+@pytest.mark.parametrize(
+    "section,message",
+    [
+        (
+            "decode: {tensor_parallel: 2, placement: SPREAD}",
+            "decode: placement SPREAD with tensor_parallel 2: a replica's ranks are processes of one node",
+        ),
+        (
+            "prefill: {tensor_parallel: 2, preemption_mode: swap}",
+            "prefill: preemption_mode swap with tensor_parallel > 1",
+        ),
+        ("decode: {tensor_parallel: 2, replay_window: 8}", "decode: replay_window with tensor_parallel > 1"),
+        (
+            "decode: {tensor_parallel: 2, num_gpus: 1}",
+            "decode: tensor_parallel 2 with num_gpus: a replica's ranks",
+        ),
+        (
+            "prefill: {expert_parallel: true}",
+            "prefill: expert_parallel spreads experts over a replica's ranks",
+        ),
+    ],
+)
+def test_what_tensor_parallel_pools_cannot_run_is_refused_naming_it(tmp_path, section, message):
+    assert message in error_of(tmp_path, section)
 
 
 def test_colocated_mode_refuses_a_decode_pool(tmp_path):
@@ -345,7 +376,9 @@ def test_placement_keys_take_custom_resources_labels_and_gpu_fractions(tmp_path)
     assert (config.prefill.num_gpus, config.prefill.resources) == (0.5, {"prefill_node": 1.0})
     assert config.prefill.node_labels == {"node-type": "h200"}
     assert config.engine_config("prefill", model_path="m").device == "cuda"
-    assert "decode.num_gpus: a worker runs on one GPU" in error_of(tmp_path, "decode: {num_gpus: 2}")
+    assert "decode.num_gpus: num_gpus is per rank: give 1 (and tensor_parallel N" in error_of(
+        tmp_path, "decode: {num_gpus: 2}"
+    )
     message = error_of(tmp_path, "decode: {resources: {object_store_memory: 1}}")
     assert "decode.resources: 'object_store_memory' is Ray's own resource" in message
     assert "above 0" in error_of(tmp_path, "decode: {resources: {slot: 0}}")
@@ -383,3 +416,13 @@ def test_api_keys_come_from_a_variable_or_a_file_and_never_show_in_an_error(tmp_
     assert "gateway.api_keys_env: String should match pattern" in error_of(
         tmp_path, "gateway: {api_keys_env: 'not a name'}"
     )
+
+
+def test_gateway_replicas_are_bounded_and_a_local_ray_has_room_for_each(tmp_path):
+    config = load_config(write(tmp_path, "gateway: {replicas: 4, num_cpus: 1}\ndecode: {replicas: 2}"))
+    assert (config.gateway.replicas, config.gateway.placement) == (4, "head")
+    # 4 gateways x 1 + store 0.25 + prefill 1 + 2 decode x 1 CPUs
+    assert required_resources(config)["CPU"] == 7.25
+    for bad in ("gateway: {replicas: 0}", "gateway: {replicas: 65}", "gateway: {placement: anywhere}"):
+        with pytest.raises(ConfigError, match="gateway"):
+            load_config(write(tmp_path, bad))

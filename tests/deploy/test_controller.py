@@ -87,6 +87,31 @@ def test_a_killed_worker_is_restarted_and_the_gateway_hears_its_new_address(clus
     assert cluster.status()["healthy"]
 
 
+def test_two_gateway_processes_start_after_their_ledger_on_one_port_and_a_killed_one_comes_back(registry):
+    with run_cluster(small_config(gateway={"replicas": 2}), actor_classes=FAKE_CLASSES) as cluster:
+        status = cluster.status()
+        check_status_shape(status)
+        first, second = status["gateways"]
+        assert (first["index"], second["index"]) == (0, 1) and first["healthy"] and second["healthy"]
+        assert first["address"] == second["address"]  # the second joined the port the first bound
+        assert status["ledger"]["kind"] == "ledger" and status["ledger"]["healthy"]
+        assert [e[1]["num_gateways"] for e in events(registry, "gateway_settings")] == [2, 2]
+        assert [e[1] for e in events(registry, "use_ledger")] == [0, 1]  # each before it started
+        workers = (status["pools"]["prefill"]["addresses"], status["pools"]["decode"]["addresses"])
+        assert events(registry, "update_workers") == [("update_workers", *workers)] * 2
+        handles = [h for kind, _, h in ray.get(registry.get_handles.remote()) if kind == "gateway"]
+        ray.kill(handles[1])
+        wait_until(
+            lambda: (g := cluster.status()["gateways"][1])["restarts"] == 1 and g["healthy"],
+            what="gateway 1 to restart",
+        )
+        assert cluster.status()["gateways"][1]["address"] == first["address"]  # on the same port
+        assert [e[1] for e in events(registry, "use_ledger")] == [0, 1, 1]
+        wait_until(lambda: len(events(registry, "update_workers")) == 3, what="the new gateway 1 to hear")
+        assert events(registry, "update_workers")[-1] == ("update_workers", *workers)
+        assert cluster.status()["published"] == {"prefill": workers[0], "decode": workers[1]}
+
+
 def kill_worker(cluster: ClusterHandle, registry: Any, pool: str) -> str:
     """Kill the pool's first worker; return the address it had."""
     address = cluster.status()["pools"][pool]["workers"][0]["address"]
@@ -260,6 +285,23 @@ def test_resize_beyond_the_cluster_fails_at_once_and_changes_nothing(cluster, re
     assert status["healthy"] and status["pools"]["prefill"]["replicas"] == 1
     assert len(live_groups()) == 2
     assert [e[1] for e in events(registry, "start")].count("prefill") == 1
+
+
+def test_a_tensor_parallel_pool_reserves_a_bundle_per_rank(registry):
+    config = small_config(prefill={"num_cpus": 0.25, "tensor_parallel": 2})
+    with run_cluster(config, actor_classes=FAKE_CLASSES) as handle:
+        assert sorted(len(g["bundles"]) for g in live_groups()) == [1, 2]  # decode's, prefill's 2 ranks
+        assert handle.status()["pools"]["prefill"]["tensor_parallel"] == 2
+        # gateway, store 0.25 each, prefill 2 x 0.25, decode 0.5: two more replicas need 4 bundles
+        message = (
+            r"pool 'prefill': cannot reserve 2 \(2 ranks each\) x \{'CPU': 0.25\} \(PACK\): they need "
+            r"CPU 1, and the Ray cluster has CPU 2 in all, of which the rest of this deployment takes 1.5"
+        )
+        with pytest.raises(PlacementError, match=message):
+            handle.resize("prefill", 3)
+        handle.resize("prefill", 2)  # one more fits: its own group of 2 bundles
+        assert sorted(len(g["bundles"]) for g in live_groups()) == [1, 2, 2]
+        assert handle.status()["pools"]["prefill"]["replicas"] == 2
 
 
 def test_a_second_deployment_in_the_same_ray_cluster_is_refused(cluster):

@@ -79,3 +79,18 @@ def test_labels_no_node_carries_fail_at_once_naming_them(registry):
     ):
         run_cluster(config, actor_classes=FAKE_CLASSES)
     assert is_dead_controller()
+
+
+def test_gateways_on_every_node_each_node_its_own_port_with_one_ledger(registry):
+    config = small_config(gateway={"replicas": 2, "placement": "every_node"}, decode={"num_cpus": 0.25})
+    with run_cluster(config, actor_classes=FAKE_CLASSES) as cluster:
+        status = cluster.status()
+        assert status["healthy"] and status["ledger"]["healthy"]
+        events = ray.get(registry.get_events.remote())
+        started = [(e[2], e[3]) for e in events if e[:2] == ("start", "gateway")]  # (address, node)
+        nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        assert sorted(node for _, node in started) == sorted(nodes * 2)  # two on each node
+        ports = {node: {address for address, on in started if on == node} for node in nodes}
+        assert all(len(shared) == 1 for shared in ports.values()), ports  # the two on a node share its port
+        assert len({address for address, _ in started}) == len(nodes)  # each node's its own
+        assert [g["node_id"] for g in status["gateways"]] == [n for n in sorted(nodes) for _ in range(2)]

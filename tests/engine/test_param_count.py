@@ -12,6 +12,7 @@ import torch
 from splitserve.engine.loader import _FP32_SUFFIXES
 from splitserve.engine.model.kimi_linear import KimiLinearForCausalLM
 from splitserve.engine.model_config import KimiLinearModelConfig
+from splitserve.engine.parallel.group import SINGLE, TensorParallel
 from splitserve.engine.param_count import count_weights
 from splitserve.tiny_model import PRESETS
 
@@ -34,10 +35,10 @@ CONFIGS = {
 }
 
 
-def _meta_counts(config: KimiLinearModelConfig) -> tuple[int, int, int, int]:
-    """(elements, fp32-kept elements, fused elements, fused fp32 elements) of the real model."""
+def _meta_counts(config: KimiLinearModelConfig, tp: TensorParallel = SINGLE) -> tuple[int, int, int, int]:
+    """(elements, fp32-kept elements, fused elements, fused fp32 elements) of the real model (a rank's)."""
     with torch.device("meta"):
-        model = KimiLinearForCausalLM(config)
+        model = KimiLinearForCausalLM(config, tp)
         model.finalize()  # ties the head and builds the fused copies, on meta: no memory
     named = [*model.named_parameters(), *model.named_buffers()]
     total = sum(t.numel() for _, t in named)
@@ -71,3 +72,21 @@ def test_the_48b_checkpoint_has_49_1b_parameters_and_91_5_gib_of_bf16_weights():
     # all but the fp32-kept router weights, router biases and dt_bias at 2 bytes
     assert counted.weight_bytes("bfloat16") == 2 * counted.num_params + 2 * counted.num_fp32_params
     assert 91 * 2**30 < counted.weight_bytes("bfloat16") < 92 * 2**30
+
+
+@pytest.mark.parametrize("size,expert_parallel", [(2, False), (4, True), (16, True)])
+@pytest.mark.parametrize("name", ["q-lora-and-bias", "tied-two-shared-experts", "48b"])
+def test_a_ranks_share_equals_the_rank_built_on_meta(name, size, expert_parallel):
+    config = KimiLinearModelConfig.from_dict(CONFIGS[name])
+    tp = TensorParallel(1, size, expert_parallel)
+    try:
+        tp.check_model(config)
+    except ValueError:
+        pytest.skip(f"{name} does not split {size} ways")
+    counted = count_weights(config, size, expert_parallel)
+    assert (
+        counted.num_params,
+        counted.num_fp32_params,
+        counted.num_fused_elements,
+        counted.num_fused_fp32_elements,
+    ) == _meta_counts(config, tp)

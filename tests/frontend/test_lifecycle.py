@@ -205,6 +205,7 @@ def test_gateway_actor_starts_resizes_reports_and_stops(tiny_model_path, script)
             assert actor.health() == {
                 "serving": True,
                 "address": address,
+                "own_address": address,  # one gateway process: its port is its own
                 "prefill_workers": 1,
                 "decode_workers": 1,
                 "ready": True,

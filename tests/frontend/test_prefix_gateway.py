@@ -17,10 +17,13 @@ from frontend.prefix_router import PrefixAwareRouter
 from frontend.router import LeastLoadRouter, Router
 from frontend.server import GatewayServer
 from frontend.settings import GatewaySettings
+from splitserve.engine.prefix_cache.events import PrefixEvent
 from splitserve.prefix_hash import prefix_hash_chain
 from splitserve.v1 import prefill_pb2
+from splitserve.worker.cache_report import CacheReporter
 from tests.frontend.conftest import MODEL
 from tests.frontend.fakes import FakeDecode, FakePrefill, FakeWorkerServer, Script
+from tests.prefix.queued_events import QueuedPrefixEvents
 
 UNIT = 16
 SHARED = list(range(300, 300 + 4 * UNIT))  # a 4-unit shared prefix of token ids
@@ -206,3 +209,36 @@ def test_a_worker_that_leaves_the_pool_loses_its_gauges_and_its_index_entries(sc
         assert wait_for(lambda: f'worker="{gone}"' not in c.metrics())
         assert f'worker="{kept}"' in c.metrics()
         assert c.router.index.match(chain) == ({kept: len(SHARED)} if holder == kept else {})
+
+
+@dataclass
+class ReportingPrefill(FakePrefill):
+    """A fake prefill whose cache reports come from the workers' own `CacheReporter`."""
+
+    engine: QueuedPrefixEvents = field(default_factory=QueuedPrefixEvents)
+    reporter: CacheReporter = field(default_factory=CacheReporter)
+
+    def CacheReport(self, request, context):  # noqa: N802
+        return self.reporter.take(self.engine, request)  # type: ignore[arg-type]
+
+
+def test_two_gateways_polling_one_worker_each_learn_every_event(script: Script) -> None:
+    chain = prefix_hash_chain(SHARED, UNIT, MODEL.encode())
+    prefill = ReportingPrefill(script)
+    servers = [FakeWorkerServer(prefill), FakeWorkerServer(FakeDecode(script))]
+    routers = [PrefixAwareRouter([servers[0].address], [servers[1].address], prefix_unit=UNIT) for _ in "ab"]
+    settings = GatewaySettings(model_name=MODEL, max_model_len=512, prefix_unit=UNIT, stats_refresh_s=0.05)
+    gateways = [GatewayServer(build_app(settings, None, router), "127.0.0.1", 0) for router in routers]
+    try:
+        for gateway in gateways:
+            gateway.start()
+        prefill.engine.pending.append(PrefixEvent("stored", chain[-1], 64))
+        held = {servers[0].address: 64}
+        assert wait_for(lambda: all(r.index.match(chain) == held for r in routers))
+        prefill.engine.pending.append(PrefixEvent("removed", chain[-1], 64))
+        assert wait_for(lambda: all(r.index.match(chain) == {} for r in routers))
+    finally:
+        for gateway in gateways:
+            gateway.stop()
+        for server in servers:
+            server.stop()

@@ -101,6 +101,16 @@ def test_events_steer_routing_and_a_removed_prefix_stops_attracting() -> None:
     assert {router.pick_prefill(16, hashes) for _ in range(4)} == {A, B}
 
 
+def test_a_snapshot_report_replaces_what_was_believed_of_that_worker_alone() -> None:
+    router = PrefixAwareRouter([A, B], [], prefix_unit=UNIT)
+    hashes, other = chain(SHARED, 16), chain([4] * 32, 16)
+    router.observe_cache_events(A, "a1", [CacheEvent(True, hashes[-1], 16)])
+    router.observe_cache_events(B, "b1", [CacheEvent(True, hashes[-1], 16)])
+    router.observe_cache_events(A, "a1", [CacheEvent(True, other[-1], 32)], snapshot=True)
+    assert router.index.match(hashes) == {B: 16}  # A's earlier unit is gone, B's stays
+    assert router.index.match(other) == {A: 32}
+
+
 def test_a_worker_that_left_the_pool_is_dropped_from_the_index() -> None:
     router = PrefixAwareRouter([A, B], [], prefix_unit=UNIT)
     hashes = chain(SHARED, 16)

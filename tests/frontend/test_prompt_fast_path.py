@@ -34,6 +34,9 @@ REFUSED: list[tuple[Any, str]] = [
     ([1, "a"], "prompt must be a string"),
     ([1, None], "prompt must be a string"),
     ([[1], "a"], "prompt must be a string"),
+    ([[1], True], "prompt must be a string"),  # a truthy non-list after a list (schemathesis found it)
+    ([[1], 7], "prompt must be a string"),
+    ([[[]], True], "prompt must be a string"),
     (["a", [1, 2]], "prompt must be a string"),
     ({"text": "hi"}, "prompt must be a string"),
     (5, "prompt must be a string"),

@@ -22,16 +22,21 @@ from splitserve.engine.model.layers import GatedRMSNorm, fuse_rows
 from splitserve.engine.model_config import KimiLinearModelConfig
 from splitserve.engine.ops.kda_dispatch import kda_backend, kda_decode_into, kda_prefill, kda_prefill_varlen
 from splitserve.engine.ops.kda_gates import conv_step_torch, kda_decode_gates, kda_gates_torch
+from splitserve.engine.parallel.group import SINGLE, TensorParallel
+from splitserve.engine.parallel.shard import set_shard
 from splitserve.engine.replay_ring import ReplayLayerRing
 
 
 class KimiDeltaAttention(nn.Module):
-    """One KDA layer; parameters named as in Moonshot/transformers checkpoints, fused at load."""
+    """One KDA layer; parameters named as in Moonshot/transformers checkpoints, fused at load. Under
+    tensor parallelism it holds its rank's heads and returns its partial sum of o_proj's output."""
 
-    def __init__(self, config: KimiLinearModelConfig) -> None:
+    def __init__(self, config: KimiLinearModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.linear_num_heads
+        # with tensor parallelism a rank keeps its heads: their q/k/v columns, conv channels, gates
+        # and o_proj rows; the low-rank gate inputs (f_a, g_a) and the norm are shared by all heads
+        self.num_heads = tp.split(config.linear_num_heads, "linear_num_heads")
         self.head_dim = config.linear_head_dim
         self.kernel_size = config.linear_conv_kernel_dim
         dim = self.num_heads * self.head_dim
@@ -51,6 +56,12 @@ class KimiDeltaAttention(nn.Module):
         self.g_b_proj = nn.Linear(self.head_dim, dim, bias=False)
         self.o_norm = GatedRMSNorm(self.head_dim, config.rms_norm_eps)
         self.o_proj = nn.Linear(dim, hidden, bias=False)
+        by_head = (self.q_proj, self.k_proj, self.v_proj, self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        for module in (*by_head, self.f_b_proj, self.b_proj, self.g_b_proj):
+            set_shard(module.weight, tp.shard(0))
+        set_shard(self.dt_bias, tp.shard(0))
+        set_shard(self.A_log, tp.shard(2))
+        set_shard(self.o_proj.weight, tp.shard(1))
         self.in_proj = torch.empty(0)  # [3*dim + head_dim + H + head_dim, hidden] after finalize
         self.conv_weight = torch.empty(0)  # [3*dim, K]
         self.decay_rate = torch.empty(0)  # [H, 1] fp32

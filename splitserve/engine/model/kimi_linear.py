@@ -10,10 +10,12 @@ from torch import nn
 
 from splitserve.engine.forward_batch import ForwardBatch
 from splitserve.engine.model.kda import KimiDeltaAttention
-from splitserve.engine.model.layers import GatedMLP, RMSNorm
+from splitserve.engine.model.layers import GatedMLP, RMSNorm, VocabEmbedding
 from splitserve.engine.model.mla import MultiHeadLatentAttention
 from splitserve.engine.model.moe import SparseMoE
 from splitserve.engine.model_config import FULL_ATTENTION, KimiLinearModelConfig
+from splitserve.engine.parallel.group import SINGLE, TensorParallel
+from splitserve.engine.parallel.shard import set_shard
 from splitserve.engine.replay_ring import ReplayRing
 
 
@@ -29,19 +31,21 @@ class LayerCaches:
 
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: token mixer (KDA or MLA) then MLP (dense or MoE); each residual add
-    runs with the norm after it (ops/norms.py)."""
+    runs with the norm after it (ops/norms.py). Under tensor parallelism each sublayer's output is a
+    partial sum per rank, summed by one all-reduce before the residual add."""
 
-    def __init__(self, config: KimiLinearModelConfig, layer_id: int) -> None:
+    def __init__(self, config: KimiLinearModelConfig, layer_id: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.layer_id = layer_id
+        self.tp = tp
         self.is_mla = config.layer_types[layer_id] == FULL_ATTENTION
         self.self_attn: nn.Module = (
-            MultiHeadLatentAttention(config) if self.is_mla else KimiDeltaAttention(config)
+            MultiHeadLatentAttention(config, tp) if self.is_mla else KimiDeltaAttention(config, tp)
         )
         self.block_sparse_moe: nn.Module = (
-            SparseMoE(config)
+            SparseMoE(config, tp)
             if config.mlp_layer_types[layer_id] == "sparse"
-            else GatedMLP(config.hidden_size, config.intermediate_size)
+            else GatedMLP(config.hidden_size, config.intermediate_size, tp)
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -59,32 +63,32 @@ class DecoderLayer(nn.Module):
             lid = self.layer_id
             ring = caches.replay.layers[lid] if caches.replay is not None else None
             h = self.self_attn(h, batch, caches.kda_conv[lid], caches.kda_recurrent[lid], ring)
-        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
-        return self.block_sparse_moe(h), residual
+        h, residual = self.post_attention_layernorm.add_and_norm(self.tp.all_reduce(h), residual)
+        return self.tp.all_reduce(self.block_sparse_moe(h)), residual
 
 
 class KimiLinearModel(nn.Module):
     """The backbone; `model.` prefixed names in a checkpoint land here."""
 
-    def __init__(self, config: KimiLinearModelConfig) -> None:
+    def __init__(self, config: KimiLinearModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        # given a weight, Embedding skips its normal_ init: on the meta device that init would import
-        # torch's Python meta kernels (sympy and ~900 modules, ~150 MiB of RSS); the loader fills it
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
-        )
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class KimiLinearForCausalLM(nn.Module):
-    """The whole network. `forward` returns the final hidden states of `batch.logits_indices`."""
+    """The whole network. `forward` returns the final hidden states of `batch.logits_indices`;
+    `compute_logits` their logits (a rank's slice of the vocabulary under tensor parallelism)."""
 
-    def __init__(self, config: KimiLinearModelConfig) -> None:
+    def __init__(self, config: KimiLinearModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = config
-        self.model = KimiLinearModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp
+        self.model = KimiLinearModel(config, tp)
+        # a rank's rows of the vocabulary, as the embedding's: its logits are a slice, gathered on rank 0
+        self.lm_head = nn.Linear(config.hidden_size, tp.split(config.vocab_size, "vocab_size"), bias=False)
+        set_shard(self.lm_head.weight, tp.shard(0))
 
     def finalize(self) -> None:
         """Build fused and absorbed weights once the checkpoint is loaded."""

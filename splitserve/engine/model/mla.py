@@ -16,15 +16,21 @@ from splitserve.engine.model.layers import RMSNorm
 from splitserve.engine.model_config import KimiLinearModelConfig
 from splitserve.engine.ops.paged_mla import mla_backend, paged_mla_torch, write_kv
 from splitserve.engine.ops.triton_kernel import kernel_or_torch
+from splitserve.engine.parallel.group import SINGLE, TensorParallel
+from splitserve.engine.parallel.shard import set_shard
 
 
 class MultiHeadLatentAttention(nn.Module):
-    """One MLA layer; parameters named as in the checkpoint; absorbed weights built at load."""
+    """One MLA layer; parameters named as in the checkpoint; absorbed weights built at load. Under
+    tensor parallelism it holds its rank's heads and returns its partial sum of o_proj's output."""
 
-    def __init__(self, config: KimiLinearModelConfig) -> None:
+    def __init__(self, config: KimiLinearModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
+        # tensor parallel: a rank keeps its heads' query and up-projections and o_proj rows; the
+        # latent (kv_a_proj, its norm, the KV pool) is per token, shared by every head: replicated
+        self.tp = tp
+        self.num_heads = tp.split(config.num_attention_heads, "num_attention_heads")
         self.nope_dim = config.qk_nope_head_dim
         self.rope_dim = config.qk_rope_head_dim
         self.v_dim = config.v_head_dim
@@ -43,10 +49,17 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.rank, 1e-6)
         self.kv_b_proj = nn.Linear(self.rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=bias)
+        query = self.q_proj if self.q_lora_rank is None else self.q_b_proj
+        set_shard(query.weight, tp.shard(0))
+        set_shard(self.kv_b_proj.weight, tp.shard(0))
+        set_shard(self.o_proj.weight, tp.shard(1))
         self.w_uk = torch.empty(0)  # [H, nope, rank]
         self.w_uv = torch.empty(0)  # [H, v, rank]
 
     def finalize(self) -> None:
+        if self.tp.rank and self.o_proj.bias is not None:
+            with torch.no_grad():
+                self.o_proj.bias.zero_()  # the ranks' outputs are summed: rank 0 alone adds the bias
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.rank)
         self.w_uk = w[:, : self.nope_dim].contiguous()
         self.w_uv = w[:, self.nope_dim :].contiguous()

@@ -17,6 +17,8 @@ from splitserve.engine.ops.fused_moe import SharedExperts, fused_moe, moe_backen
 from splitserve.engine.ops.moe_reference import moe_experts_torch
 from splitserve.engine.ops.router import RouterSpec, route
 from splitserve.engine.ops.triton_kernel import kernel_or_torch
+from splitserve.engine.parallel.group import SINGLE, TensorParallel
+from splitserve.engine.parallel.shard import set_shard
 
 
 class TopKRouter(nn.Module):
@@ -50,23 +52,49 @@ class Experts(nn.Module):
     """Routed experts as stacked weights: `w13` [E, 2I, H] (gate; up) and `w2` [E, H, I].
 
     On CUDA with triton installed the fused Triton kernel runs; elsewhere the torch reference
-    (`SPLITSERVE_MOE_BACKEND=torch|triton` forces either).
+    (`SPLITSERVE_MOE_BACKEND=torch|triton` forces either). Under tensor parallelism a rank keeps
+    every expert's share of the intermediate columns; with expert parallelism instead whole experts
+    `first_expert..` (E / ranks of them) and computes only the choices that name them: every rank
+    holds every token (attention is tensor parallel), so dispatch moves nothing and the combine is
+    the sublayer's all-reduce.
     """
 
-    def __init__(self, config: KimiLinearModelConfig) -> None:
+    def __init__(self, config: KimiLinearModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         e, h, i = config.num_local_experts, config.hidden_size, config.moe_intermediate_size
+        self.expert_parallel = tp.expert_parallel and tp.size > 1
+        if self.expert_parallel:
+            e = tp.split(e, "num_local_experts (expert_parallel)")
+        else:
+            i = tp.split(i, "moe_intermediate_size")
+        self.first_expert = tp.rank * e if self.expert_parallel else 0
         self.w13 = nn.Parameter(torch.zeros(e, 2 * i, h))
         self.w2 = nn.Parameter(torch.zeros(e, h, i))
+        set_shard(self.w13, tp.expert_shard(1, parts=2))
+        set_shard(self.w2, tp.expert_shard(2))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        weights, expert_ids = self.local_choices(weights, expert_ids)
+        elsewhere = self.expert_parallel
         if moe_backend(x.device) == "triton":
             return kernel_or_torch(
                 "moe_grouped_gemm",
-                lambda: fused_moe(x, self.w13, self.w2, weights, expert_ids),
+                lambda: fused_moe(x, self.w13, self.w2, weights, expert_ids, some_elsewhere=elsewhere),
                 lambda: moe_experts_torch(x, self.w13, self.w2, weights, expert_ids),
             )
         return moe_experts_torch(x, self.w13, self.w2, weights, expert_ids)
+
+    def local_choices(
+        self, weights: torch.Tensor, expert_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """With expert parallelism: the choices renumbered to this rank's experts, those of other
+        ranks' experts as id E (the number here: "elsewhere") with weight 0; else unchanged."""
+        if not self.expert_parallel:
+            return weights, expert_ids
+        num_here = self.w13.shape[0]
+        local = expert_ids - self.first_expert
+        here = (local >= 0) & (local < num_here)
+        return weights.masked_fill(~here, 0), local.masked_fill(~here, num_here)
 
 
 class SparseMoE(nn.Module):
@@ -77,18 +105,22 @@ class SparseMoE(nn.Module):
     MoE is four launches (router, alignment, two grouped GEMMs) and the sum of each token's rows.
     """
 
-    def __init__(self, config: KimiLinearModelConfig) -> None:
+    def __init__(self, config: KimiLinearModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.gate = TopKRouter(config)
-        self.experts = Experts(config)
+        self.gate = TopKRouter(config)  # every rank routes every token: the same choices everywhere
+        self.experts = Experts(config, tp)
         self.num_shared = config.n_shared_experts
         self.shared_experts = GatedMLP(
-            config.hidden_size, config.moe_intermediate_size * config.n_shared_experts
+            config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, tp
         )
+        # the fused kernels run the shared MLP as experts of the routed width: under tensor parallelism
+        # both are cut by the ranks alike; with expert parallelism the routed experts stay whole and the
+        # shared MLP (still cut) runs apart
+        self.fuse_shared = bool(self.num_shared) and not self.experts.expert_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.shared_experts.gate_up  # fused at load
-        if moe_backend(x.device) == "triton" and self.num_shared and gate_up is not None:
+        if moe_backend(x.device) == "triton" and self.fuse_shared and gate_up is not None:
             shared = SharedExperts(gate_up, self.shared_experts.down_proj.weight, self.num_shared)
 
             def fused() -> torch.Tensor:

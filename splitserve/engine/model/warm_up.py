@@ -49,9 +49,10 @@ def warm_up_decode_kernels(model: KimiLinearForCausalLM, batch_sizes: Iterable[i
 
             mlp = moe.shared_experts
             shared = None
-            if moe.num_shared and mlp.gate_up is not None:
+            if moe.fuse_shared and mlp.gate_up is not None:
                 shared = SharedExperts(mlp.gate_up, mlp.down_proj.weight, moe.num_shared)
-            fused_moe.warm_up(moe.experts.w13, moe.experts.w2, moe.gate.spec.top_k, shared, rows)
+            routed, top_k = moe.experts, moe.gate.spec.top_k
+            fused_moe.warm_up(routed.w13, routed.w2, top_k, shared, rows, routed.expert_parallel)
             warmed.append("fused_moe")
     return warmed
 
@@ -79,7 +80,7 @@ def _glue(
         warmed.append("kda_decode_gates")
     if moe is not None:
         gate = moe.gate
-        num_shared = moe.num_shared if fused_experts else 0
+        num_shared = moe.num_shared if fused_experts and moe.fuse_shared else 0
         router_triton.warm_up(
             gate.weight, gate.e_score_correction_bias, gate.spec, num_shared, norm.dtype, rows
         )

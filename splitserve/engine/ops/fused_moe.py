@@ -138,10 +138,14 @@ def fused_moe(
     weights: torch.Tensor,
     expert_ids: torch.Tensor,
     shared: SharedExperts | None = None,
+    *,
+    some_elsewhere: bool = False,
 ) -> torch.Tensor:
     """Same contract as `moe_experts_torch`: x [T, H], w13 [E, 2I, H], w2 [E, H, I] -> [T, H]. With
     `shared`, ids E.. E + shared.num - 1 name the shared experts (the router appends them, weight 1):
-    the shared MLP and the routed experts then cost the same launches as the routed ones alone."""
+    the shared MLP and the routed experts then cost the same launches as the routed ones alone.
+    `some_elsewhere` (expert parallelism): id E + shared.num names an expert on another rank; its
+    choices add nothing here (their blocks are skipped and their rows stay zero)."""
     num_tokens, top_k = expert_ids.shape
     num_routed, two_i, hidden = w13.shape
     inter = two_i // 2
@@ -150,7 +154,9 @@ def fused_moe(
     if num_pairs == 0:
         return torch.zeros_like(x)
     block_m = 16 if num_pairs <= 16 * num_experts else 64
-    sorted_pairs, block_expert = _align(expert_ids, num_experts, block_m)
+    sorted_pairs, block_expert = _align(expert_ids, num_experts + int(some_elsewhere), block_m)
+    if some_elsewhere:  # the last run's blocks are the other ranks' choices: no program computes them
+        block_expert = block_expert.masked_fill(block_expert == num_experts, -1)
     x = x.contiguous()
     plan = _Plan(sorted_pairs, block_expert, num_pairs, num_routed, block_m)
     shared_w13 = shared_w2 = None
@@ -160,7 +166,8 @@ def fused_moe(
         shared_w2 = _SharedSlices(shared.down, inter, 0)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     _launch(x, w13, h, plan, inter, hidden, top_k, None, shared_w13)
-    per_choice = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # rounded as the reference
+    alloc = torch.zeros if some_elsewhere else torch.empty  # skipped choices must read as zero
+    per_choice = alloc(num_pairs, hidden, dtype=x.dtype, device=x.device)  # rounded as the reference
     flat_weights = weights.reshape(-1).float().contiguous()
     _launch(h, w2, per_choice, plan, hidden, inter, 1, flat_weights, shared_w2)
     return per_choice.view(num_tokens, top_k, hidden).sum(dim=1)
@@ -235,13 +242,20 @@ def _launch(
 
 
 def warm_up(
-    w13: torch.Tensor, w2: torch.Tensor, top_k: int, shared: SharedExperts | None, num_rows: int
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    shared: SharedExperts | None,
+    num_rows: int,
+    some_elsewhere: bool = False,
 ) -> None:
     """Launch the alignment and both grouped GEMMs once for `num_rows` tokens with these experts (each
-    token on experts 0..k-1 and the shared ones), at the block size that many rows take."""
+    token on experts 0..k-1, or as many as there are, and the shared ones), at the block size that
+    many rows take."""
     num_routed, hidden, dev = w13.shape[0], w13.shape[2], w13.device
     num_shared = shared.num if shared is not None else 0
-    ids = torch.cat([torch.arange(top_k), num_routed + torch.arange(num_shared)]).to(dev)
+    ids = torch.cat([torch.arange(top_k) % num_routed, num_routed + torch.arange(num_shared)]).to(dev)
     ids = ids.expand(num_rows, -1).contiguous()
     weights = torch.ones(ids.shape, device=dev)
-    fused_moe(torch.zeros(num_rows, hidden, dtype=w13.dtype, device=dev), w13, w2, weights, ids, shared)
+    x = torch.zeros(num_rows, hidden, dtype=w13.dtype, device=dev)
+    fused_moe(x, w13, w2, weights, ids, shared, some_elsewhere=some_elsewhere)

@@ -19,7 +19,8 @@ def moe_experts_torch(
     """`sum_j weights[t, j] * w2[e] @ (silu(gate) * up)`, `gate; up = w13[e] @ x[t]`, `e = expert_ids[t, j]`.
 
     x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; weights: [T, k] (fp32); expert_ids: [T, k].
-    Returns [T, H] in x's dtype.
+    Returns [T, H] in x's dtype. An id of E names an expert on another rank (expert parallelism):
+    that choice adds nothing here.
     """
     num_tokens, top_k = expert_ids.shape
     num_experts, two_i, hidden = w13.shape
@@ -27,7 +28,8 @@ def moe_experts_torch(
         return torch.zeros_like(x)
     flat_ids = expert_ids.reshape(-1)
     order = flat_ids.argsort(stable=True)  # pair p = t * k + j, sorted by expert
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()  # the CPU path: no device sync
+    # the CPU path: no device sync; the last count is the choices of experts elsewhere (sorted last)
+    counts = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()
     # index_select, not advanced indexing: the CPU gather of whole rows is several times faster
     rows = x.index_select(0, order // top_k)  # [P, H], expert-major
     gate_up = x.new_empty(order.numel(), two_i)
@@ -36,6 +38,8 @@ def moe_experts_torch(
     act = F.silu(gate).mul_(up)
     y = x.new_empty(order.numel(), hidden)
     _per_expert_mm(act, w2, counts, y)
+    if counts[-1]:
+        y[-counts[-1] :].zero_()  # no expert here computed them
     # weight in fp32, round each choice to x's dtype, then sum: transformers' rounding in bf16
     y.mul_(weights.reshape(-1)[order].unsqueeze(-1))
     unsort = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))

@@ -1,0 +1,9 @@
+"""Tensor and expert parallelism inside one engine: ranks as processes joined by torch.distributed.
+
+* `group.TensorParallel`: which rank of how many this process is, and the collectives the layers
+  call (one all-reduce per sublayer, the logits gathered to rank 0, the sampled tokens broadcast).
+* `shard.Shard`: which slice of a checkpoint tensor a rank keeps; the loader reads only that slice.
+* `commands`: what the driver (rank 0) tells the other ranks, in order; each rank applies it to its
+  own engine, whose scheduler then decides exactly as the driver's does.
+* `ranks.RankProcesses` (driver side) and `rank_process` (each other rank's process).
+"""

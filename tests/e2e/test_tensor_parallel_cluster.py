@@ -1,0 +1,103 @@
+"""Tensor parallelism in a real deployment (local Ray, real actors, gRPC, HTTP, the official openai
+client): a prefill pool at tensor_parallel 2 handing off to a decode pool at 1, the reverse, and both at
+2 with the prefill's experts spread over its ranks (expert_parallel), give the offline engine's greedy
+tokens, each decode rank reading its heads of the state from the store; and a decode rank SIGKILLed
+mid-stream makes its worker unhealthy: the controller restarts the worker whole and its streams fail
+over, ending with the uninterrupted tokens."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from deploy.launcher import run_cluster
+from splitserve import LLM, SamplingParams
+from splitserve.tiny_model import make_tiny_model
+from tests.e2e.helpers import assert_idle, cluster_config, complete, openai_client, worker_stats
+from tests.e2e.test_decode_failover import GREEDY, NUM_TOKENS, Streams, _failovers
+
+NUM_NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tp-e2e-model"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(26)
+    return [[rng.randrange(3, 2000) for _ in range(n)] for n in (1, 9, 40, 130)]
+
+
+@pytest.fixture(scope="module")
+def offline_tokens(model_path, prompts):
+    llm = LLM(model=str(model_path), max_model_len=4096)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+
+
+def _serve(cluster, prompts):
+    client = openai_client(cluster.gateway_url)
+    params = {"max_tokens": NUM_NEW_TOKENS, "temperature": 0.0}
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: complete(client, p, params), prompts))
+
+
+def _config(model_path, prefill_tp: int, decode_tp: int, expert_parallel: bool = False):
+    pools = {"num_cpus": 0.5, "kv_cache_memory_bytes": "32MiB", "max_num_seqs": 8}
+    return cluster_config(
+        model_path,
+        "disaggregated",
+        prefill={**pools, "tensor_parallel": prefill_tp, "expert_parallel": expert_parallel},
+        decode={**pools, "tensor_parallel": decode_tp},
+    )
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp,expert_parallel", [(2, 1, False), (1, 2, False), (2, 2, True)])
+def test_tensor_parallel_pools_serve_the_offline_tokens(
+    local_ray, model_path, prompts, offline_tokens, prefill_tp, decode_tp, expert_parallel
+):
+    with run_cluster(_config(model_path, prefill_tp, decode_tp, expert_parallel)) as cluster:
+        pools = cluster.status()["pools"]
+        assert (pools["prefill"]["tensor_parallel"], pools["decode"]["tensor_parallel"]) == (
+            prefill_tp,
+            decode_tp,
+        )
+        for name, size in (("prefill", prefill_tp), ("decode", decode_tp)):
+            assert len(worker_stats(cluster, name, 0)["rank_pids"]) == size - 1
+        assert _serve(cluster, prompts) == offline_tokens
+        assert_idle(cluster)
+        # every decode rank read its heads from the store itself: rank 0 forwarded no piece
+        assert worker_stats(cluster, "decode", 0)["rank_forwarded_pieces"] == 0
+        if decode_tp == 2 and not expert_parallel:  # once is enough
+            _a_killed_rank_restarts_its_worker_whole(cluster, prompts, model_path)
+
+
+def _a_killed_rank_restarts_its_worker_whole(cluster, prompts, model_path):
+    """SIGKILL of the decode worker's rank while 4 greedy streams run on it: the worker restarts whole
+    (a new rank process), and the streams fail over onto it and end with the uninterrupted tokens."""
+    url = cluster.gateway_url
+    resumed_before = _failovers(url, "resumed")
+    (rank_pid,) = worker_stats(cluster, "decode", 0)["rank_pids"]
+    streams = Streams(url, prompts, GREEDY)
+    streams.wait_until_all_have(3)  # every stream is decoding on the TP worker, none has ended
+    os.kill(rank_pid, signal.SIGKILL)
+    results = streams.finish()
+    assert not [s.error for s in results if s.error]
+    llm = LLM(model=str(model_path), max_model_len=4096)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    expected = [
+        o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    ]
+    assert [s.token_ids for s in results] == expected
+    assert _failovers(url, "resumed") > resumed_before  # the kill landed on running streams
+    decode = cluster.status()["pools"]["decode"]
+    assert decode["restarts"] == 1 and decode["healthy"], decode
+    (new_pid,) = worker_stats(cluster, "decode", 0)["rank_pids"]
+    assert new_pid != rank_pid
+    assert_idle(cluster)
