@@ -4,12 +4,14 @@ replica's slots makes requests wait for decode room, and the planner adds a deco
 pool's `autoscale` allows 1..2); when the load falls to one client, the planner drains the
 replica again while that client streams. No request fails, no stream needed the gateway's
 failover (the drain, not the safety net, kept them whole), and every decision shows in
-`status()` and on the gateway's /metrics."""
+`status()` and on every gateway process's /metrics. Run with one gateway process and with two
+sharing the port (the planner adds up both processes' load reports)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +42,17 @@ DECISIONS = "splitserve_autoscale_decisions_total"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHandle]:
-    model_path: Path = make_tiny_model(tmp_path_factory.mktemp("autoscale-model"), seed=3)
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("autoscale-model"), seed=3)
+
+
+@pytest.fixture(params=[1, 2], ids=["one-gateway", "two-gateways"])
+def cluster(request: pytest.FixtureRequest, model_path: Path) -> Iterator[ClusterHandle]:
     pool = {"num_cpus": 0.5, "kv_cache_memory_bytes": "32MiB"}
     config = parse_config(
         {
             "model": {"path": str(model_path), "name": MODEL},
-            "gateway": {"port": 0},
+            "gateway": {"port": 0, "replicas": request.param},
             "prefill": pool,
             "decode": {
                 **pool,
@@ -59,7 +65,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHandle]
             "health": {"interval_s": 1, "timeout_s": 30, "start_timeout_s": 300, "drain_timeout_s": 120},
         }
     )
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
     try:
         with run_cluster(config) as handle:
             yield handle
@@ -80,6 +86,19 @@ def _poll(condition: Callable[[], bool], what: str, timeout_s: float = 240.0) ->
         time.sleep(0.25)
 
 
+def _own_urls(cluster: ClusterHandle) -> list[str]:
+    """Each gateway process's own URL (its /metrics there, not whichever process the port picks)."""
+    return [f"http://{row['stats']['own_address']}" for row in cluster.status()["gateways"]]
+
+
+def _decisions(url: str, direction: str, count: int) -> bool:
+    return metric_value(url, DECISIONS, pool="decode", direction=direction) == count
+
+
+def _failovers(urls: list[str]) -> float:
+    return sum(metric_value(url, "splitserve_decode_failovers_total") for url in urls)
+
+
 def _decode(cluster: ClusterHandle) -> tuple[int, int]:
     """(replicas running, replicas desired) of the decode pool."""
     pool = cluster.status()["pools"]["decode"]
@@ -88,7 +107,12 @@ def _decode(cluster: ClusterHandle) -> tuple[int, int]:
 
 def test_a_real_load_scales_the_decode_pool_up_and_its_fall_drains_it_failing_no_request(cluster):
     url = cluster.gateway_url or ""
-    failovers = metric_value(url, "splitserve_decode_failovers_total")
+    _poll(
+        lambda: all(r["stats"].get("own_address") for r in cluster.status()["gateways"]),
+        "every gateway's port",
+    )
+    own = _own_urls(cluster)
+    failovers = _failovers(own)
     assert _decode(cluster) == (1, 1)
     heavy = ClosedLoopLoad(url, _body, num_clients=3 * SLOTS_PER_DECODE)
     light: ClosedLoopLoad | None = None
@@ -109,11 +133,13 @@ def test_a_real_load_scales_the_decode_pool_up_and_its_fall_drains_it_failing_no
     outcomes = heavy_outcomes + light_outcomes
     assert outcomes and all(o.ok for o in outcomes), summary(outcomes)
     assert num_ok_since(light_outcomes, fell_s) >= 2
-    assert metric_value(url, "splitserve_decode_failovers_total") == failovers, "a stream was cut"
-    assert metric_value(url, DECISIONS, pool="decode", direction="down", reason="idle") == 1
-    # one up (at max the load that stayed was held, not counted again), one down
-    assert metric_value(url, DECISIONS, pool="decode", direction="up") == 1
-    assert metric_value(url, "splitserve_autoscale_desired_replicas", pool="decode") == 1
+    assert _failovers(own) == failovers, "a stream was cut"
+    for process in own:  # every gateway process shows the planner's series
+        _poll(partial(_decisions, process, "down", 1), "the down on every gateway process")
+        assert metric_value(process, DECISIONS, pool="decode", direction="down", reason="idle") == 1
+        # one up (at max the load that stayed was held, not counted again), one down
+        assert metric_value(process, DECISIONS, pool="decode", direction="up") == 1
+        assert metric_value(process, "splitserve_autoscale_desired_replicas", pool="decode") == 1
     status = cluster.status()
     scaled = status["autoscale"]["decode"]
     assert (scaled["min_replicas"], scaled["max_replicas"], scaled["replicas"]) == (1, 2, 1)
