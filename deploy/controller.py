@@ -13,7 +13,8 @@ The work is split by responsibility: deploy/room.py (can the bundles ever fit),
 deploy/placement.py (placement groups, node IPs), deploy/starter.py (creating, starting and
 ending actors), deploy/gateway_starter.py (the gateway processes and their ledger),
 deploy/health.py (probes and restarts), deploy/publisher.py (the gateways' worker lists), deploy/changes.py (what a new config changes, what it may not),
-deploy/converge.py (the steps of an apply), deploy/status.py (the status report); this class
+deploy/converge.py (the steps of an apply), deploy/autoscale/ (the SLO autoscaler's planner,
+which acts through the same converge), deploy/status.py (the status report); this class
 composes them.
 
 The actor classes (written in their own packages) are imported only when first needed, so this
@@ -33,8 +34,11 @@ import logging
 from typing import Any
 
 from deploy.actors import StartError, gateway_settings_kwargs
+from deploy.autoscale.planner import Planner, PlannerHooks
+from deploy.autoscale.resources import ask_ray_for, wanted_bundles
+from deploy.calls import call
 from deploy.changes import PoolTarget, changed_keys, describe_plan, refusals
-from deploy.converge import ApplyProgress, Converger, check_room_to_converge
+from deploy.converge import ApplyProgress, Converger, check_room_to_converge, no_room_for_one_more
 from deploy.health import HealthWatcher
 from deploy.members import Pool, Roster
 from deploy.placement import HEAD_NODE_RESOURCE, NodeIps, release_groups, reserve
@@ -93,6 +97,20 @@ class Controller:
         self._applying = False
         self._lock = asyncio.Lock()
         self._health_task: asyncio.Task[None] | None = None
+        self._planner = Planner(
+            PlannerHooks(
+                config=lambda: self._config,
+                pools=self._roster.pools,
+                reports=self._gateway_load_reports,
+                publish=self._publish_autoscale,
+                no_room=lambda name: no_room_for_one_more(
+                    self._config, self._roster, self._roster.pools[name]
+                ),
+                scale=self._scale_by_planner,
+                ask_for_room=self._ask_ray_for_room,
+            )
+        )
+        self._planner_task: asyncio.Task[None] | None = None
         self._started = False
         self._stopped = False
 
@@ -121,6 +139,7 @@ class Controller:
             await self._publisher.publish(force=True)
             await self._health.check_once()
         self._health_task = asyncio.get_running_loop().create_task(self._health.watch(self._lock))
+        self._planner_task = asyncio.get_running_loop().create_task(self._planner.run())
         return await self.status()
 
     async def apply(self, config: ClusterConfig, dry_run: bool = False) -> dict[str, Any]:
@@ -145,7 +164,7 @@ class Controller:
         if found:
             raise ApplyRefused("nothing was changed; " + " | ".join(found))
         targets = [
-            PoolTarget(name, self._starter.spec(config, name), config.pool(name).replicas)
+            PoolTarget(name, self._starter.spec(config, name), self._replicas_to_apply(config, name))
             for name in config.pool_names
         ]
         check_room_to_converge(self._config, self._roster, targets)
@@ -177,6 +196,12 @@ class Controller:
         pools = self._roster.pools
         if pool not in pools:
             raise ValueError(f"no pool {pool!r}; pools: {', '.join(pools) or 'none (not started)'}")
+        scale = self._config.pool(pool).autoscale
+        if scale is not None:
+            raise ValueError(
+                f"pool {pool!r} is autoscaled ({scale.min_replicas}..{scale.max_replicas} replicas): change "
+                f"{pool}.autoscale's bounds with `splitserve apply`, or remove its autoscale section"
+            )
         data = self._config.model_dump(mode="json")
         data[pool]["replicas"] = replicas
         try:
@@ -185,6 +210,55 @@ class Controller:
             raise ValueError(str(exc)) from None
         result = await self.apply(config)
         return result["status"]  # type: ignore[no-any-return]
+
+    def _replicas_to_apply(self, config: ClusterConfig, name: str) -> int:
+        """The count an apply asks of a pool: the config's, or for an autoscaled pool that runs,
+        the planner's current count brought within the new bounds (its `replicas` is where it
+        starts at `up`)."""
+        section, pool = config.pool(name), self._roster.pools.get(name)
+        if section.autoscale is None or pool is None:
+            return section.replicas
+        return section.autoscale.clamp(pool.replicas)
+
+    async def _scale_by_planner(self, name: str, replicas: int, reason: str) -> None:
+        """The autoscaler's change: one pool to `replicas`, through the converge `apply` uses."""
+        if self._applying or self._stopped:
+            raise ApplyRefused("an apply is in progress or the deployment stops; the autoscaler waits")
+        self._applying = True
+        try:
+            pool = self._roster.pools[name]
+            text = f"autoscale: {name} {pool.replicas} -> {replicas} ({reason})"
+            async with self._lock:
+                pool.replicas = replicas
+            self._converger.progress = ApplyProgress(in_progress=True, plan=[text])  # the planner logged it
+            try:
+                await self._converger.run(self._lock)
+            except Exception:
+                async with self._lock:  # what started stays; the pool asks no more than it runs
+                    pool.replicas = len(pool.members)
+                raise
+        finally:
+            self._applying = False
+
+    async def _gateway_load_reports(self) -> list[dict[str, Any]]:
+        """Every gateway process's load report; raises unless all answer (a missing one would
+        make the load look smaller than it is)."""
+        gateways = self._roster.gateways
+        down = [g.index for g in gateways if g.handle is None]
+        if not gateways or down:
+            raise RuntimeError(f"gateway(s) {down or 'none'} down: no whole load to judge the pools by")
+        timeout_s = self._config.health.timeout_s
+        return list(await asyncio.gather(*(call(g.handle.load_report.remote(), timeout_s) for g in gateways)))
+
+    async def _publish_autoscale(self, state: dict[str, Any]) -> None:
+        """The planner's series to every running gateway process's /metrics."""
+        timeout_s = self._config.health.timeout_s
+        running = [g for g in self._roster.gateways if g.handle is not None]
+        await asyncio.gather(*(call(g.handle.publish_autoscale.remote(state), timeout_s) for g in running))
+
+    def _ask_ray_for_room(self, name: str | None) -> None:
+        more = {name: 1} if name is not None else {}
+        ask_ray_for(wanted_bundles(self._config, self._roster, more))
 
     def _use_config(self, config: ClusterConfig, targets: list[PoolTarget]) -> None:
         """From now on `config` is what the deployment should be: the pools' targets, the health settings."""
@@ -199,13 +273,14 @@ class Controller:
         return gateway_settings_kwargs(config, self._starter.model_path)
 
     async def stop(self) -> dict[str, int]:
-        """Stop the health loop, then the gateways, the workers, the stores and the ledger; free
-        placements."""
-        self._stopped = self._health.stopped = True
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
+        """Stop the autoscaler and the health loop, then the gateways, the workers, the stores and
+        the ledger; free placements."""
+        self._stopped = self._health.stopped = self._planner.stopped = True
+        for task in (self._planner_task, self._health_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         async with self._lock:
             ledger = [self._roster.ledger] if self._roster.ledger else []
             stages = [
@@ -233,6 +308,7 @@ class Controller:
             published=self._publisher.published,
             node_ips=self._node_ips,
             apply=self._converger.progress.to_dict(),
+            autoscale=self._planner.status(),
         )
 
     async def cluster_token(self) -> str:

@@ -136,13 +136,7 @@ class Converger:
         logger.info("apply: %s: replica %d started at %s in its bundle", pool.name, new.index, new.address)
 
     def _room_for_one_more(self, pool: Pool) -> bool:
-        if any(pool.spec.same_reservation(slot.spec) for slot in pool.vacated):
-            return True
-        try:
-            check_room(pool.name, pool.spec, 1, held_resources(self._starter.config, self._roster))
-        except PlacementError:
-            return False
-        return True
+        return no_room_for_one_more(self._starter.config, self._roster, pool) is None
 
     async def _start(self, pool: Pool, count: int) -> list[Member]:
         """Place and start `count` workers of the pool's spec and tell the gateway; undo on failure."""
@@ -167,6 +161,18 @@ class Converger:
         await self._starter.shutdown(member, drain_s)
         vacate(pool, member)
         logger.info("apply: %s: replica %d drained and stopped", pool.name, member.index)
+
+
+def no_room_for_one_more(config: ClusterConfig, roster: Roster, pool: Pool) -> str | None:
+    """Why one more replica of `pool` can never fit the cluster as it stands; None when it may
+    (a bundle a removed replica left, or room beside what the deployment holds)."""
+    if any(pool.spec.same_reservation(slot.spec) for slot in pool.vacated):
+        return None
+    try:
+        check_room(pool.name, pool.spec, 1, held_resources(config, roster))
+    except PlacementError as exc:
+        return str(exc)
+    return None
 
 
 def check_room_to_converge(config: ClusterConfig, roster: Roster, targets: list[PoolTarget]) -> None:

@@ -23,11 +23,14 @@ def build_status(
     published: WorkerLists | None,
     node_ips: NodeIps,
     apply: dict[str, Any],
+    autoscale: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Everything at a glance: per pool replicas (desired and running), addresses, health,
     restarts and load; per worker, store, gateway process and the admission ledger its place,
-    process, health and what it last reported; the last apply's plan and steps (`apply`).
-    `gateway` is the first gateway process's row (the one URL clients need), `gateways` all."""
+    process, health and what it last reported; the last apply's plan and steps (`apply`); per
+    autoscaled pool its bounds, desired and actual replicas and the planner's last decision
+    (`autoscale`). `gateway` is the first gateway process's row (the one URL clients need),
+    `gateways` all."""
     ips = node_ips.known
     pools = {name: pool.summary(ips) for name, pool in roster.pools.items()}
     gateways = []
@@ -58,6 +61,7 @@ def build_status(
         "stores": stores,
         "published": {"prefill": published[0], "decode": published[1]} if published else None,
         "apply": apply,
+        "autoscale": autoscale or {},
     }
 
 

@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from frontend.app import build_app
+from frontend.autoscale_metrics import AutoscaleSeries
+from frontend.load_report import load_report
 from frontend.router import make_router
 from frontend.server import GatewayServer
 from frontend.settings import GatewaySettings
@@ -31,6 +33,7 @@ class GatewayActor:
         self.router = make_router(self.settings.router_policy, self.settings.prefix_unit)
         self.router.update_workers(list(prefill_addresses), list(decode_addresses))
         self.app = build_app(self.settings, self.settings.model_path, self.router)
+        self._autoscale = AutoscaleSeries(self.app.state.pipeline.metrics.registry)
         self._server: GatewayServer | None = None
 
     def start(self, host: str | None = None, port: int | None = None) -> str:
@@ -65,6 +68,14 @@ class GatewayActor:
         self.router.update_workers(list(prefill_addresses), list(decode_addresses))
         if stores is not None:
             self.router.update_stores(stores)
+
+    def load_report(self) -> dict[str, Any]:
+        """What this gateway knows of its pools' load (frontend/load_report.py), for the autoscaler."""
+        return load_report(self.app)
+
+    def publish_autoscale(self, state: Mapping[str, Any]) -> None:
+        """The autoscaler's decisions and replica counts, shown on /metrics (frontend/autoscale_metrics.py)."""
+        self._autoscale.update(state)
 
     def health(self) -> dict[str, Any]:
         num_prefill = len(self.router.prefill_addresses)

@@ -47,6 +47,9 @@ class LoadMonitor:
         # decode address -> state slots in use that neither a running request nor a reservation holds
         self.idle_held_slots: dict[str, int] = {}
         self.full: set[str] = set()  # decode workers whose last Stats showed no free state slot
+        self.decode_loads: dict[
+            str, DecodeLoad
+        ] = {}  # decode address -> its last Stats (the autoscaler reads it)
         self.store_addresses: set[str] = set()
         self._kick: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -88,6 +91,7 @@ class LoadMonitor:
         self._slots = {a: n for a, n in self._slots.items() if a in decode}
         self.idle_held_slots = {a: n for a, n in self.idle_held_slots.items() if a in decode}
         self.full &= set(decode)
+        self.decode_loads = {a: load for a, load in self.decode_loads.items() if a in decode}
         # channels to workers and stores that left (restarts and resizes bring new addresses)
         await self.clients.retain({*self.router.prefill_addresses, *decode, *self.store_addresses})
         if self.on_capacity is not None:
@@ -144,15 +148,14 @@ class LoadMonitor:
             self.full.discard(address)
         total_slots = stats.num_total_state_slots
         self._slots[address] = min(total_slots, stats.max_num_seqs) if stats.max_num_seqs else total_slots
-        self.router.observe_decode_load(
-            address,
-            DecodeLoad(
-                num_free_kv_blocks=stats.num_free_kv_blocks,
-                num_total_kv_blocks=stats.num_total_kv_blocks,
-                num_free_state_slots=stats.num_free_state_slots,
-                num_total_state_slots=stats.num_total_state_slots,
-            ),
+        load = DecodeLoad(
+            num_free_kv_blocks=stats.num_free_kv_blocks,
+            num_total_kv_blocks=stats.num_total_kv_blocks,
+            num_free_state_slots=stats.num_free_state_slots,
+            num_total_state_slots=stats.num_total_state_slots,
         )
+        self.decode_loads[address] = load
+        self.router.observe_decode_load(address, load)
 
     async def _refresh_store(self, address: str) -> None:
         try:

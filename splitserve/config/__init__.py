@@ -6,7 +6,7 @@ embedded default (the same as `deploy/configs/default.yaml`): the tiny model on 
 CPUs. `ClusterConfig.engine_config(pool)` derives one pool's `EngineConfig`.
 
 One module per concept: `byte_size` (sizes like "2GiB"), `section` (the frozen base), one per
-section (`model`, `gateway`, `pools`, `store`, `serving` for cache and router, `health`),
+section (`model`, `gateway`, `pools`, `autoscale`, `store`, `serving` for cache and router, `health`),
 `cluster` (the whole deployment and its cross-checks) and `loading` (files, errors).
 Everything is importable from here.
 
@@ -16,6 +16,7 @@ caller asks for it through `ModelConfig.resolved_path()`.
 
 from __future__ import annotations
 
+from splitserve.config.autoscale import AutoscaleConfig, SloConfig
 from splitserve.config.byte_size import ByteSize, format_bytes, parse_bytes
 from splitserve.config.cluster import ClusterConfig
 from splitserve.config.gateway import GatewayConfig, gateway_api_keys
@@ -34,6 +35,7 @@ from splitserve.config.store import DiskConfig, StoreConfig
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
+    "AutoscaleConfig",
     "ByteSize",
     "CacheConfig",
     "ClusterConfig",
@@ -47,6 +49,7 @@ __all__ = [
     "PoolConfig",
     "PrefillPoolConfig",
     "RouterConfig",
+    "SloConfig",
     "StoreConfig",
     "default_config",
     "format_bytes",

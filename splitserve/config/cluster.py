@@ -53,6 +53,15 @@ class ClusterConfig(Section):
             )
         for name in self.pool_names:
             pool: PoolConfig = getattr(self, name)
+            if (
+                pool.autoscale is not None
+                and pool.autoscale.min_replicas < 1
+                and not self._prefill_may_be_empty(name)
+            ):
+                raise ValueError(
+                    f"{name}.autoscale.min_replicas: must be at least 1 (got 0); only a disaggregated "
+                    "prefill pool with prefill.fallback: decode_local may scale to no replica"
+                )
             if pool.replicas < 1 and not self._prefill_may_be_empty(name):
                 hint = (
                     "; 0 removes the prefill pool only with prefill.fallback: decode_local (the decode "

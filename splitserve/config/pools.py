@@ -3,10 +3,11 @@ only decode workers do."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from splitserve.config.autoscale import AutoscaleConfig, SloConfig
 from splitserve.config.byte_size import ByteSize
 from splitserve.config.section import Section
 
@@ -33,6 +34,10 @@ class PoolConfig(Section):
     `expert_parallel` spreading the routed experts over them whole. `num_cpus` is then per rank: a
     replica reserves one bundle per rank, all on one node (the ranks are processes of the worker's
     node), so `placement` packs (PACK or STRICT_PACK); such a pool runs on CPUs only for now.
+
+    `autoscale` lets the controller's planner move `replicas` between its bounds by load against
+    `slo` (splitserve/config/autoscale.py); `replicas` is then where the pool starts (by default
+    `autoscale.min_replicas`).
     """
 
     replicas: int = Field(default=1, ge=0)
@@ -57,6 +62,32 @@ class PoolConfig(Section):
     resources: dict[str, float] = Field(default_factory=dict)
     # Ray node labels the replica's node must carry, e.g. {node-type: h200} ("!x", "in(a,b)", "!in(a,b)" too)
     node_labels: dict[str, str] = Field(default_factory=dict)
+    # None: `replicas` stays as set; else the planner's bounds and knobs
+    autoscale: AutoscaleConfig | None = None
+    slo: SloConfig = SloConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _autoscaled_starts_at_min(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("autoscale") is not None and "replicas" not in data:
+            autoscale = data["autoscale"]
+            minimum = (
+                autoscale.get("min_replicas", 1) if isinstance(autoscale, dict) else autoscale.min_replicas
+            )
+            data = {**data, "replicas": minimum}
+        return data
+
+    @model_validator(mode="after")
+    def _replicas_within_autoscale(self) -> PoolConfig:
+        scale = self.autoscale
+        if scale is not None and scale.clamp(self.replicas) != self.replicas:
+            raise ValueError(
+                f"replicas ({self.replicas}) lies outside autoscale's bounds ({scale.min_replicas}.."
+                f"{scale.max_replicas}); give replicas between them, or leave it out to start at min_replicas"
+            )
+        if scale is None and self.slo != SloConfig():
+            raise ValueError("slo is read only by the autoscaler: add an autoscale section, or remove slo")
+        return self
 
     @field_validator("resources")
     @classmethod

@@ -60,7 +60,7 @@ def wait_until(probe: Callable[[], T | None], *, timeout_s: float = 60, what: st
 
 # The documented shape of `status()` (deploy/README.md, "Status as JSON").
 STATUS_KEYS = {"mode", "model", "started", "stopped", "healthy", "gateway", "pools", "stores", "published"}
-STATUS_KEYS |= {"apply", "gateways", "ledger"}
+STATUS_KEYS |= {"apply", "autoscale", "gateways", "ledger"}
 POOL_KEYS = {"role", "replicas", "placement", "bundle", "addresses", "num_healthy", "healthy", "restarts"}
 POOL_KEYS |= {"load", "workers", "desired_replicas", "num_outdated", "node_labels", "tensor_parallel"}
 APPLY_KEYS = {"in_progress", "plan", "done", "step", "error"}
