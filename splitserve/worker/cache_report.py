@@ -19,12 +19,12 @@ import threading
 import uuid
 from typing import TYPE_CHECKING
 
-from splitserve.engine.prefix_cache.events import PrefixEvent
 from splitserve.v1 import prefill_pb2
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # a GPU-less node imports this module, and the engine's package imports torch
     from splitserve.engine.engine_loop import EngineLoop
     from splitserve.engine.llm_engine import LLMEngine
+    from splitserve.engine.prefix_cache.events import PrefixEvent
     from splitserve.engine.prefix_cache.stats import PrefixCacheStats
 
 # Events kept for readers that are behind; one further behind gets a snapshot (a few MiB at most).
@@ -86,6 +86,9 @@ class CacheReporter:
         ):
             skip = request.after_seq - oldest_seq + 1  # sequence numbers in the log are consecutive
             return [event for _, event in itertools.islice(self._log, skip, None)], False
+        # only a worker with an engine gets here: the engine's package imports torch
+        from splitserve.engine.prefix_cache.events import PrefixEvent
+
         return [PrefixEvent("stored", name, n) for name, n in self._usable.items()], True
 
     def _build(

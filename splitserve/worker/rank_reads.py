@@ -12,12 +12,14 @@ admits once every rank has said it did, so the worker releases the key only afte
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
-from splitserve.engine.parallel.handoff import ShardingSink, StoreRead
-from splitserve.engine.state_codec import decode_pieces
 from splitserve.rpc_auth import set_cluster_token
 from splitserve.state.client import StateStoreClient
 from splitserve.state.streams import ChunkStream
+
+if TYPE_CHECKING:  # only a rank's process (torch) runs this; a GPU-less node imports splitserve.worker
+    from splitserve.engine.parallel.handoff import ShardingSink, StoreRead
 
 READ_CLIENT_TIMEOUT_S = 10.0
 
@@ -66,6 +68,8 @@ class _Read:
 
     def run(self) -> None:
         try:
+            from splitserve.engine.state_codec import decode_pieces  # torch: see the imports
+
             for piece in decode_pieces(self.stream, kda_in_place=True):
                 self.sink.write(piece)
             if not self.sink.complete:
