@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -110,14 +111,44 @@ def test_a_damaged_region_fails_the_read_closed(shm_server: StateStoreServer) ->
             _read_layers(client, "req", shared_memory=False)
 
 
-def test_a_dead_writers_regions_go_with_its_lease(shm_server: StateStoreServer) -> None:
-    with StateStoreClient(shm_server.address, timeout_s=WAIT_S) as client:
-        client.allocate("req", 0, StateKind.MLA_KV, 4096, owner="prefill", lease_s=0.05)  # then "dies"
-        store = shm_server.store
-        assert len(list(store.arena.directory.glob("*.region"))) == 1  # type: ignore[union-attr]
-        while store.lookup("req") is not None:  # the real monotonic clock runs the lease out
-            store.expire()
-        assert not list(store.arena.directory.glob("*.region"))  # type: ignore[union-attr]
+LEASE_S = 1.0  # the killed writer's: long enough to see its piece land, short for the test
+
+
+def _write_one_piece_then_hang(address: str) -> None:
+    """A writer process: opens a put of two layers through the arena, writes the first, hangs."""
+    client = StateStoreClient(address, timeout_s=WAIT_S)
+    put = client.open_put("req", owner="prefill", lease_s=LEASE_S, shared_memory=True)
+    write_piece(put, 0, np.ones(1000, dtype=np.float32))
+    signal.pause()  # layer 1 and the seal never come: the parent kills it here
+
+
+def test_a_writer_killed_mid_put_has_its_regions_freed_by_its_lease(shm_server: StateStoreServer) -> None:
+    """A writer process SIGKILLed between two pieces of a put leaves an unsealed key and an
+    arena region nobody will finish; its lease runs out and both are gone, region file included."""
+    store = shm_server.store
+    assert store.arena is not None
+    context = multiprocessing.get_context("spawn")
+    writer = context.Process(target=_write_one_piece_then_hang, args=(shm_server.address,))
+    writer.start()
+    try:
+        deadline_s = time.monotonic() + WAIT_S
+        while (info := store.lookup("req")) is None or not info.chunks:  # its first piece landed
+            assert writer.is_alive(), f"the writer exited ({writer.exitcode}) before its piece landed"
+            assert time.monotonic() < deadline_s, "the writer's piece never reached the store"
+            time.sleep(0.01)
+        assert not info.sealed and len(list(store.arena.directory.glob("*.region"))) == 1
+        os.kill(writer.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        writer.join(WAIT_S)
+        assert writer.exitcode == -signal.SIGKILL
+        deadline_s = time.monotonic() + WAIT_S
+        while store.lookup("req") is not None:  # lookup expires leases on the real monotonic clock
+            assert time.monotonic() < deadline_s, "the killed writer's lease never ran out"
+            time.sleep(0.01)
+        assert not list(store.arena.directory.glob("*.region"))
+    finally:
+        if writer.is_alive():
+            writer.kill()
+            writer.join(WAIT_S)
 
 
 def test_freed_regions_are_reused_within_the_pool(arena_root: Path) -> None:
