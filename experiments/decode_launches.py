@@ -145,7 +145,7 @@ def count_decode_step(config: KimiLinearModelConfig, batch_size: int, context: i
             batch = runner.build_batch(scheduled, [])
         with fake, counter:
             logits = model.compute_logits(model(batch, caches))
-    real_logits = torch.zeros(logits.shape, dtype=logits.dtype)  # the sampler's tolist needs values
+    real_logits = torch.zeros(logits.shape, dtype=logits.dtype)  # the sampler runs on real CPU tensors
     rows = [SamplingRow(s.request.params, s.request.prompt_token_ids, []) for s in scheduled]
     sampler = Sampler(config.vocab_size, config.eos_token_ids)
     with torch.inference_mode(), counter, counter.scope(SAMPLER), count_host_reads(counter):

@@ -180,12 +180,16 @@ def runner_copy(counter: LaunchCounter) -> Any:
 
 @contextlib.contextmanager
 def count_host_reads(counter: LaunchCounter) -> Iterator[None]:
-    """`Tensor.tolist` counted as one device-to-host copy (on a CPU tensor it dispatches nothing)."""
-    tolist = torch.Tensor.tolist
+    """Each tensor the sampler sends to the host (`HostReadback`: one non-blocking copy each on CUDA,
+    none on a CPU) counted as one device-to-host copy."""
+    from splitserve.engine.sampler_output import HostReadback
 
-    def counted(self: torch.Tensor) -> Any:
-        counter.launch("device_to_host_copy")
-        return tolist(self)
+    original = HostReadback.__init__
 
-    with mock.patch.object(torch.Tensor, "tolist", counted):
+    def counted(self: HostReadback, tensors: list[torch.Tensor]) -> None:
+        for _ in tensors:
+            counter.launch("device_to_host_copy")
+        original(self, tensors)
+
+    with mock.patch.object(HostReadback, "__init__", counted):
         yield

@@ -13,22 +13,60 @@ from splitserve.engine.cuda_graph import DecodeGraphs
 from splitserve.engine.cuda_graph_plan import DecodePadding
 from splitserve.engine.forward_batch import ForwardBatch, TokenGroup
 from splitserve.engine.host_pack import HostPack, block_tables, long_tensor
-from splitserve.engine.host_staging import to_device
+from splitserve.engine.host_staging import device_tensor, to_device
 from splitserve.engine.model.kimi_linear import KimiLinearForCausalLM, LayerCaches
 from splitserve.engine.request import Request
-from splitserve.engine.sampler import Sampler, SamplingRow
+from splitserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from splitserve.engine.scheduler import ScheduledRequest
 from splitserve.engine.state_transfer import extract_kda, extract_mla_rows, token_rows
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
 class StepResult:
-    """Per scheduled request that sampled: the new token and (if asked) its logprobs."""
+    """Per request that sampled in one step: the new token and (if asked) its logprobs.
 
-    token_ids: dict[str, int]
-    logprobs: dict[str, dict[int, float]]
+    `sampled` (the ids, one per entry of `request_ids`, in order) stays on the device, where the next
+    step's inputs can take them; `token_ids` and `logprobs` read them on the host when first asked
+    (sampler_output.py: one asynchronous copy, waited for then, not inside the step).
+    """
+
+    def __init__(self, request_ids: list[str], output: SamplerOutput | None) -> None:
+        self.request_ids = request_ids
+        self.rows = {rid: i for i, rid in enumerate(request_ids)}  # row of each request in `sampled`
+        self._output = output
+        self._token_ids: dict[str, int] | None = None
+        self._logprobs: dict[str, dict[int, float]] = {}
+
+    @property
+    def sampled(self) -> torch.Tensor | None:
+        return None if self._output is None else self._output.sampled
+
+    def ready(self) -> bool:
+        """Whether reading `token_ids` now would not wait for the device."""
+        return self._output is None or self._output.ready()
+
+    @property
+    def token_ids(self) -> dict[str, int]:
+        if self._token_ids is None:
+            self._read()
+        assert self._token_ids is not None
+        return self._token_ids
+
+    @property
+    def logprobs(self) -> dict[str, dict[int, float]]:
+        if self._token_ids is None:
+            self._read()
+        return self._logprobs
+
+    def _read(self) -> None:
+        if self._output is None:
+            self._token_ids = {}
+            return
+        self._token_ids = dict(zip(self.request_ids, self._output.token_ids))
+        for rid, lp in zip(self.request_ids, self._output.logprobs or []):
+            if lp is not None:
+                self._logprobs[rid] = lp
 
 
 class ModelRunner:
@@ -80,7 +118,7 @@ class ModelRunner:
             hidden = self.graphs.run([s.request for s in singles], bucket)
             if len(sampling) < len(singles):  # a one-token prompt chunk that is not its prompt's last
                 sample_rows = [i for i, s in enumerate(singles) if s.samples]
-                hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
+                hidden = hidden[device_tensor(sample_rows, torch.long, self.device)]
         else:
             num_padding = 0 if bucket is None else bucket - len(singles)
             if num_padding and self.caches.replay is not None:
@@ -92,7 +130,7 @@ class ModelRunner:
             batch.after_layer = self._exporter(exporting)
             hidden = self.model(batch, self.caches)
         if not sampling:
-            return StepResult({}, {})
+            return StepResult([], None)
         # the other samples of a request draw their first token from its row (parallel_sampling.py)
         drawing = [(i, s.request) for i, s in enumerate(sampling)]
         drawing += [
@@ -102,15 +140,8 @@ class ModelRunner:
         self.sampler.prepare(rows)  # seeded rows' host-drawn noise, while the forward runs on the device
         logits = self.model.compute_logits(hidden)
         if len(drawing) > len(sampling):
-            logits = logits[torch.tensor([i for i, _ in drawing], dtype=torch.long, device=logits.device)]
-        out = self.sampler(logits, rows)
-        ids = {r.request_id: t for (_, r), t in zip(drawing, out.token_ids)}
-        lps: dict[str, dict[int, float]] = {}
-        if out.logprobs is not None:
-            for (_, r), lp in zip(drawing, out.logprobs):
-                if lp is not None:
-                    lps[r.request_id] = lp
-        return StepResult(ids, lps)
+            logits = logits[device_tensor([i for i, _ in drawing], torch.long, self.device)]
+        return StepResult([r.request_id for _, r in drawing], self.sampler(logits, rows))
 
     def _exporter(self, exporting: list[ScheduledRequest]) -> Callable[[int], None] | None:
         """After each layer, hand every exporting request its state that this layer made final:
