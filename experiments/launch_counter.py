@@ -20,7 +20,7 @@ from unittest import mock
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from splitserve.engine.ops import backend, fused_moe, kda_dispatch, paged_mla, triton_kernel
+from splitserve.engine.ops import backend, fused_moe, kda_dispatch, paged_mla, replay_ssm, triton_kernel
 
 # ops that allocate or relabel memory without a kernel
 _NOT_LAUNCHES = {
@@ -155,6 +155,7 @@ def cuda_code_path(counter: LaunchCounter) -> Iterator[None]:
         for env in (paged_mla.BACKEND_ENV, fused_moe.BACKEND_ENV, triton_kernel.FUSED_BACKEND_ENV)
     }
     env[kda_dispatch.BACKEND_ENV] = "fla"
+    env[replay_ssm.BACKEND_ENV] = "triton"
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.dict(os.environ, env))
         stack.enter_context(mock.patch.dict(sys.modules, _fla_stub(counter)))

@@ -121,11 +121,6 @@ class ModelRunner:
                 hidden = hidden[device_tensor(sample_rows, torch.long, self.device)]
         else:
             num_padding = 0 if bucket is None else bucket - len(singles)
-            if num_padding and self.caches.replay is not None:
-                # padding rows share the scratch slot: restart its records so their count stays
-                # within the window (what they hold is never read by a request)
-                assert self.padding is not None
-                self.caches.replay.reset(self.padding.scratch_slot)
             batch = self.build_batch(singles, multis, num_padding)
             batch.after_layer = self._exporter(exporting)
             hidden = self.model(batch, self.caches)
@@ -216,7 +211,11 @@ class ModelRunner:
             pack.add(torch.cat(slot_mapping)),
             pack.add(long_tensor(logits_indices)),
         ]
-        single = self._group(rows, 0, pack) if rows else None
+        replay = self.caches.replay
+        counts = (
+            None if replay is None else [0 if r.request is None else replay.pending(r.slot) for r in rows]
+        )
+        single = self._group(rows, 0, pack, counts) if rows else None
         multi = self._group(multi_rows, len(rows), pack) if multi_rows else None
         pack.to(self.device)
         batch = ForwardBatch(*(pack.get(i) for i in flat), single=None, multi=None)
@@ -224,8 +223,11 @@ class ModelRunner:
         batch.multi = multi.build(pack) if multi is not None else None
         return batch
 
-    def _group(self, rows: list[_Row], offset: int, pack: HostPack) -> _GroupPlan:
-        """Queue one token group's host integers (per row, and the block tables) into `pack`."""
+    def _group(
+        self, rows: list[_Row], offset: int, pack: HostPack, replay_counts: list[int] | None = None
+    ) -> _GroupPlan:
+        """Queue one token group's host integers (per row, the block tables, the ReplaySSM record
+        counts of a decode group) into `pack`."""
         lengths = [r.num_new for r in rows]
         computed = [r.num_computed for r in rows]
         starts = list(itertools.accumulate(lengths[:-1], initial=offset))
@@ -242,6 +244,7 @@ class ModelRunner:
                 range(b * max_len, b * max_len + n) for b, n in enumerate(lengths)
             )
             valid_id = pack.add(long_tensor(list(valid)))
+        counts_id = None if replay_counts is None else pack.add(long_tensor(replay_counts))
         return _GroupPlan(
             lengths,
             starts,
@@ -253,6 +256,7 @@ class ModelRunner:
             per_row,
             table_id,
             valid_id,
+            counts_id,
         )
 
 
@@ -270,6 +274,7 @@ class _GroupPlan:
     per_row_id: int
     tables_id: int
     valid_id: int | None
+    replay_counts_id: int | None = None
 
     def build(self, pack: HostPack) -> TokenGroup:
         num_rows, bs = len(self.lengths), self.block_size
@@ -291,6 +296,7 @@ class _GroupPlan:
             slot_ids=self.slot_ids,
             valid_index=None if self.valid_id is None else pack.get(self.valid_id),
             starts=self.starts,
+            replay_counts=None if self.replay_counts_id is None else pack.get(self.replay_counts_id),
         )
 
 
