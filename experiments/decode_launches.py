@@ -1,6 +1,7 @@
 """Kernel launches per decode step on the CUDA code path, counted on this CPU.
 
     python -m experiments.decode_launches [--model 1b|48b|tiny] [--batch-sizes 1,64] [--context 512]
+                                          [--replay-window 16]
 
 The model (`--model 1b`: experiments/gpu_throughput.py's ~1B shape; `48b`: Kimi-Linear-48B's config;
 `tiny`: the test preset) is built with fake weights (FakeTensorMode: shapes only, nothing computed,
@@ -43,6 +44,7 @@ from splitserve.engine.loader import materialize
 from splitserve.engine.model.kimi_linear import KimiLinearForCausalLM, LayerCaches
 from splitserve.engine.model_config import KimiLinearModelConfig
 from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.replay_ring import ReplayRing
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler, SamplingRow
 from splitserve.engine.scheduler import ScheduledRequest
@@ -130,13 +132,18 @@ def build_fake_model(
     return model, allocate_caches(plan, config, "cpu")
 
 
-def count_decode_step(config: KimiLinearModelConfig, batch_size: int, context: int = 512) -> StepCount:
-    """Launches of one greedy decode step of `batch_size` rows on the CUDA code path (see the module doc)."""
+def count_decode_step(
+    config: KimiLinearModelConfig, batch_size: int, context: int = 512, replay_window: int = 0
+) -> StepCount:
+    """Launches of one greedy decode step of `batch_size` rows on the CUDA code path (see the module
+    doc); with `replay_window`, KDA decodes in ReplaySSM form (its ring kernel)."""
     counter = LaunchCounter()
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with cuda_code_path(counter), torch.inference_mode():
         with fake:
             model, caches = build_fake_model(config, batch_size, context)
+            if replay_window:
+                caches.replay = ReplayRing.allocate(caches.kda_recurrent, replay_window, "cpu")
         counter.track_modules(model)
         runner = ModelRunner(model, caches, Sampler(1, ()), BLOCK_SIZE, torch.device("cpu"))
         scheduled = _requests(batch_size, context)
@@ -145,7 +152,7 @@ def count_decode_step(config: KimiLinearModelConfig, batch_size: int, context: i
             batch = runner.build_batch(scheduled, [])
         with fake, counter:
             logits = model.compute_logits(model(batch, caches))
-    real_logits = torch.zeros(logits.shape, dtype=logits.dtype)  # the sampler's tolist needs values
+    real_logits = torch.zeros(logits.shape, dtype=logits.dtype)  # the sampler runs on real CPU tensors
     rows = [SamplingRow(s.request.params, s.request.prompt_token_ids, []) for s in scheduled]
     sampler = Sampler(config.vocab_size, config.eos_token_ids)
     with torch.inference_mode(), counter, counter.scope(SAMPLER), count_host_reads(counter):
@@ -238,15 +245,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="1b", choices=["1b", "48b", "tiny"])
     parser.add_argument("--batch-sizes", default="1,64", help="comma-separated decode batch sizes")
     parser.add_argument("--context", type=int, default=512, help="tokens before the decoded one, per row")
+    parser.add_argument("--replay-window", type=int, default=0, help="KDA decode in ReplaySSM form (0: off)")
     parser.add_argument("--verbose", action="store_true", help="every (module, op) count")
     args = parser.parse_args(argv)
     config = model_config(args.model)
     print(
         f"model {args.model}: {config.num_hidden_layers} layers ({len(config.kda_layer_ids)} KDA, "
-        f"{len(config.mla_layer_ids)} MLA), context {args.context}; CUDA code path, launches counted on the CPU"
+        f"{len(config.mla_layer_ids)} MLA), context {args.context}, replay window {args.replay_window}; "
+        "CUDA code path, launches counted on the CPU"
     )
     for batch_size in (int(b) for b in args.batch_sizes.split(",")):
-        print(report(count_decode_step(config, batch_size, args.context), args.verbose))
+        step = count_decode_step(config, batch_size, args.context, args.replay_window)
+        print(report(step, args.verbose))
     return 0
 
 

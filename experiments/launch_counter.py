@@ -20,7 +20,7 @@ from unittest import mock
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from splitserve.engine.ops import backend, fused_moe, kda_dispatch, paged_mla, triton_kernel
+from splitserve.engine.ops import backend, fused_moe, kda_dispatch, paged_mla, replay_ssm, triton_kernel
 
 # ops that allocate or relabel memory without a kernel
 _NOT_LAUNCHES = {
@@ -155,6 +155,7 @@ def cuda_code_path(counter: LaunchCounter) -> Iterator[None]:
         for env in (paged_mla.BACKEND_ENV, fused_moe.BACKEND_ENV, triton_kernel.FUSED_BACKEND_ENV)
     }
     env[kda_dispatch.BACKEND_ENV] = "fla"
+    env[replay_ssm.BACKEND_ENV] = "triton"
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.dict(os.environ, env))
         stack.enter_context(mock.patch.dict(sys.modules, _fla_stub(counter)))
@@ -180,12 +181,16 @@ def runner_copy(counter: LaunchCounter) -> Any:
 
 @contextlib.contextmanager
 def count_host_reads(counter: LaunchCounter) -> Iterator[None]:
-    """`Tensor.tolist` counted as one device-to-host copy (on a CPU tensor it dispatches nothing)."""
-    tolist = torch.Tensor.tolist
+    """Each tensor the sampler sends to the host (`HostReadback`: one non-blocking copy each on CUDA,
+    none on a CPU) counted as one device-to-host copy."""
+    from splitserve.engine.sampler_output import HostReadback
 
-    def counted(self: torch.Tensor) -> Any:
-        counter.launch("device_to_host_copy")
-        return tolist(self)
+    original = HostReadback.__init__
 
-    with mock.patch.object(torch.Tensor, "tolist", counted):
+    def counted(self: HostReadback, tensors: list[torch.Tensor]) -> None:
+        for _ in tensors:
+            counter.launch("device_to_host_copy")
+        original(self, tensors)
+
+    with mock.patch.object(HostReadback, "__init__", counted):
         yield

@@ -64,7 +64,12 @@ def op_step_ms(
     plain_pool = pool.clone()
     plain = timed(lambda q, k, v, g, b: kda_decode_into(q, k, v, g, b, plain_pool, index))
     ring = ReplayRing.allocate({0: pool.clone()}, window, device).layers[0]
-    replay = timed(lambda q, k, v, g, b: ring.step(q, k, v, g, b, index, slots))
+
+    def replay_step(q, k, v, g, b):  # type: ignore[no-untyped-def]
+        counts = torch.tensor([ring.counts[s] for s in slots], device=device)
+        return ring.step(q, k, v, g, b, index, counts, slots)
+
+    replay = timed(replay_step)
     return plain, replay
 
 

@@ -1,9 +1,10 @@
 """CUDA graphs of the decode forward, one per batch-size bucket (cuda_graph_plan.py says which and why).
 
 Each graph runs the model over static input buffers sized for the largest bucket: token ids,
-positions, state slots and block-table rows. Everything the forward derives from them (each new
-token's KV row, each row's context KV rows) is computed inside the graph, so a replay needs only
-those four copied in. The context is as wide as `max_model_len` (rows past a row's position are
+positions, state slots, block-table rows and, with ReplaySSM, each row's record count. Everything
+the forward derives from them (each new token's KV row, each row's context KV rows, where a ReplaySSM
+record goes and whether its ring folds) is computed inside the graph, so a replay needs only those
+copied in. The context is as wide as `max_model_len` (rows past a row's position are
 never read: attention stops at its `query_pos`). Sampling stays outside: a replay returns the final
 hidden state of every row, and the runner computes logits for the first `b` only.
 
@@ -62,6 +63,10 @@ class DecodeGraphs:
         self._context_blocks, self._context_offsets = context // block_size, context % block_size
         self._rows = torch.arange(num_rows, dtype=long, device=device)
         self._valid = torch.ones(num_rows, 1, dtype=torch.bool, device=device)
+        # ReplaySSM: records each row's ring holds (padding rows: 0); the host slot ids the torch
+        # reference's folds read (eager forwards only: graphs need the Triton kernel, cuda_graph_plan)
+        self.replay_counts = torch.zeros(num_rows, dtype=long, device=device)
+        self._slot_ids = [padding.scratch_slot] * num_rows
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_s = 0.0  # what `capture` took, warm-up forwards included (the load log reports it)
@@ -101,8 +106,8 @@ class DecodeGraphs:
             state_slots=self.slots[:size],
             kv_index=kv_index,
             query_pos=positions.unsqueeze(1),
-            # host slot ids serve only ReplaySSM's counters, which graphs refuse (cuda_graph_plan)
-            slot_ids=[self.padding.scratch_slot] * size,
+            slot_ids=self._slot_ids[:size],
+            replay_counts=self.replay_counts[:size] if self.caches.replay is not None else None,
         )
         batch = ForwardBatch(
             input_ids=self.input_ids[:size],
@@ -118,6 +123,8 @@ class DecodeGraphs:
         returns their final hidden states [len(requests), hidden], in order."""
         self.load(requests, size)
         self.graphs[size].replay()
+        if self.caches.replay is not None:  # what each layer's eager `step` does on the host
+            self.caches.replay.advance([r.running_slot for r in requests])
         return self.outputs[size][: len(requests)]
 
     def load(self, requests: Sequence[Request], size: int) -> None:
@@ -126,19 +133,25 @@ class DecodeGraphs:
         num_pad = size - len(requests)
         width = max([1, *(-(-(r.num_computed_tokens + 1) // self.block_size) for r in requests)])
         tables = [r.block_table for r in requests] + [[]] * num_pad
-        pack = HostPack()  # one host-to-device copy for all four buffers
+        pack = HostPack()  # one host-to-device copy for every buffer
         table_id = pack.add(block_tables(tables, width, fill=self.padding.scratch_block))
         ids = pack.add(long_tensor([r.token_at(r.num_computed_tokens) for r in requests] + [0] * num_pad))
         positions = pack.add(long_tensor([r.num_computed_tokens for r in requests] + [0] * num_pad))
-        slots = pack.add(long_tensor([_slot(r) for r in requests] + [self.padding.scratch_slot] * num_pad))
+        slots = pack.add(
+            long_tensor([r.running_slot for r in requests] + [self.padding.scratch_slot] * num_pad)
+        )
+        replay = self.caches.replay
+        counts = None
+        if replay is not None:
+            counts = pack.add(
+                long_tensor(replay.counts_of([r.running_slot for r in requests]) + [0] * num_pad)
+            )
+            self._slot_ids[:size] = [r.running_slot for r in requests] + [self.padding.scratch_slot] * num_pad
         pack.to(self.device)
+        if counts is not None:
+            self.replay_counts[:size].copy_(pack.get(counts))
         # columns past `width` keep an earlier step's block ids: valid rows, never read (query_pos)
         self.block_tables[:size, :width].copy_(pack.get(table_id).view(size, width))
         self.input_ids[:size].copy_(pack.get(ids))
         self.positions[:size].copy_(pack.get(positions))
         self.slots[:size].copy_(pack.get(slots))
-
-
-def _slot(request: Request) -> int:
-    assert request.state_slot is not None, f"{request.request_id} decodes without a state slot"
-    return request.state_slot

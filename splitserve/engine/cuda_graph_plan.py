@@ -9,8 +9,9 @@ sample nothing: the runner takes the logits of the first `b` rows.
 
 Graphs run only where every op of the decode forward is graph-safe (no host sync, no shape that
 depends on data): on CUDA, with the Triton paged MLA kernel and, for a model with routed experts,
-the fused MoE kernel (the torch references read counts back to the host), and without ReplaySSM
-(its record positions are host counters). Otherwise `graph_refusal` names the reason, which the
+the fused MoE kernel (the torch references read counts back to the host) and, with ReplaySSM, its
+Triton kernel (which reads each row's record count from the step's inputs and folds on the device;
+the torch reference folds where the host says). Otherwise `graph_refusal` names the reason, which the
 engine logs, and every step runs eagerly as before.
 """
 
@@ -57,13 +58,15 @@ def graph_refusal(config: EngineConfig, model: torch.nn.Module, device: torch.de
         return f"device {device} is not CUDA"
     if config.enforce_eager:
         return "enforce_eager is set"
-    if config.replay_window:
-        return (
-            "ReplaySSM (replay_window > 0) keeps its record positions as host counters, which a graph "
-            "would freeze at capture; set replay_window 0 for graphs"
-        )
     from splitserve.engine.ops.fused_moe import triton_available
     from splitserve.engine.ops.paged_mla import mla_backend
+    from splitserve.engine.ops.replay_ssm import replay_backend
+
+    if config.replay_window and replay_backend(device) != "triton":
+        return (
+            "ReplaySSM (replay_window > 0) runs its torch reference, whose folds the host decides; "
+            "install triton and leave SPLITSERVE_REPLAY_BACKEND unset"
+        )
 
     if mla_backend(device) != "triton":
         return (

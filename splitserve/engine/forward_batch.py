@@ -34,7 +34,9 @@ class TokenGroup:
     state_slots: torch.Tensor  # [B] long, KDA slot of each row
     kv_index: torch.Tensor  # [B, Kmax] long
     query_pos: torch.Tensor  # [B, Lmax] long
-    slot_ids: list[int] = field(default_factory=list)  # state_slots on the host (ReplaySSM's ring counts)
+    slot_ids: list[int] = field(default_factory=list)  # state_slots on the host (ReplaySSM's torch folds)
+    # ReplaySSM: records each row's ring holds ([B] long, on the device; None without rings)
+    replay_counts: torch.Tensor | None = None
     valid_index: torch.Tensor | None = None  # [num real tokens] long, see above; None: all full or unknown
     starts: list[int] = field(default_factory=list)  # token_index[:, 0] on the host (empty: unknown)
     # what attention layers derive from the group once per step and share (e.g. the torch MLA

@@ -6,13 +6,16 @@ import array
 
 import torch
 
+from splitserve.engine.host_staging import to_device
+
 
 class HostPack:
     """Collects a step's host int64 tensors and moves them to the device in one copy.
 
     Each host-to-device copy is a driver call, and from pageable memory it also waits for the
     device's stream; a step's indices (token ids, KV rows, block tables, per-row counters) cost one
-    such copy instead of one each. `add` returns an id; after `to`, `get(id)` is that piece's view
+    such copy instead of one each, from pinned memory (`host_staging.to_device`: queued on the
+    stream, the host goes on). `add` returns an id; after `to`, `get(id)` is that piece's view
     of the device tensor.
     """
 
@@ -26,7 +29,7 @@ class HostPack:
         return len(self._pieces) - 1
 
     def to(self, device: torch.device) -> None:
-        flat = torch.cat(self._pieces).to(device)
+        flat = to_device(torch.cat(self._pieces), device)
         self._views = list(flat.split([p.numel() for p in self._pieces]))
 
     def get(self, piece_id: int) -> torch.Tensor:

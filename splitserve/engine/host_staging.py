@@ -90,4 +90,14 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     stream, which a pageable source would have synchronized first); as it is on the CPU."""
     if device.type == "cpu":
         return tensor
+    if device.type != "cuda":  # no pinned memory to stage through (the meta device of the sync tests)
+        return tensor.to(device, non_blocking=True)
     return stage_pinned(tensor).to(device, non_blocking=True)
+
+
+def device_tensor(
+    values: list[int] | list[float] | list[bool], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A small tensor of host `values` on `device` without a stream sync (`to_device`): what
+    `torch.tensor(values, device=...)` would make, which on CUDA synchronizes the stream."""
+    return to_device(torch.tensor(values, dtype=dtype), device)

@@ -13,7 +13,7 @@ from splitserve.engine.cuda_graph import DecodeGraphs
 from splitserve.engine.cuda_graph_plan import DecodePadding
 from splitserve.engine.forward_batch import ForwardBatch, TokenGroup
 from splitserve.engine.host_pack import HostPack, block_tables, long_tensor
-from splitserve.engine.host_staging import to_device
+from splitserve.engine.host_staging import device_tensor, to_device
 from splitserve.engine.model.kimi_linear import KimiLinearForCausalLM, LayerCaches
 from splitserve.engine.parallel.group import SINGLE, TensorParallel
 from splitserve.engine.request import Request
@@ -24,12 +24,50 @@ from splitserve.engine.state_transfer import extract_kda, extract_mla_rows, toke
 logger = logging.getLogger(__name__)
 
 
-@dataclass
 class StepResult:
-    """Per scheduled request that sampled: the new token and (if asked) its logprobs."""
+    """Per request that sampled in one step: the new token and (if asked) its logprobs.
 
-    token_ids: dict[str, int]
-    logprobs: dict[str, dict[int, float]]
+    `sampled` (the ids, one per entry of `request_ids`, in order) stays on the device, where the next
+    step's inputs can take them; `token_ids` and `logprobs` read them on the host when first asked
+    (sampler_output.py: one asynchronous copy, waited for then, not inside the step).
+    """
+
+    def __init__(self, request_ids: list[str], output: SamplerOutput | None) -> None:
+        self.request_ids = request_ids
+        self.rows = {rid: i for i, rid in enumerate(request_ids)}  # row of each request in `sampled`
+        self._output = output
+        self._token_ids: dict[str, int] | None = None
+        self._logprobs: dict[str, dict[int, float]] = {}
+
+    @property
+    def sampled(self) -> torch.Tensor | None:
+        return None if self._output is None else self._output.sampled
+
+    def ready(self) -> bool:
+        """Whether reading `token_ids` now would not wait for the device."""
+        return self._output is None or self._output.ready()
+
+    @property
+    def token_ids(self) -> dict[str, int]:
+        if self._token_ids is None:
+            self._read()
+        assert self._token_ids is not None
+        return self._token_ids
+
+    @property
+    def logprobs(self) -> dict[str, dict[int, float]]:
+        if self._token_ids is None:
+            self._read()
+        return self._logprobs
+
+    def _read(self) -> None:
+        if self._output is None:
+            self._token_ids = {}
+            return
+        self._token_ids = dict(zip(self.request_ids, self._output.token_ids))
+        for rid, lp in zip(self.request_ids, self._output.logprobs or []):
+            if lp is not None:
+                self._logprobs[rid] = lp
 
 
 class ModelRunner:
@@ -83,19 +121,14 @@ class ModelRunner:
             hidden = self.graphs.run([s.request for s in singles], bucket)
             if len(sampling) < len(singles):  # a one-token prompt chunk that is not its prompt's last
                 sample_rows = [i for i, s in enumerate(singles) if s.samples]
-                hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
+                hidden = hidden[device_tensor(sample_rows, torch.long, self.device)]
         else:
             num_padding = 0 if bucket is None else bucket - len(singles)
-            if num_padding and self.caches.replay is not None:
-                # padding rows share the scratch slot: restart its records so their count stays
-                # within the window (what they hold is never read by a request)
-                assert self.padding is not None
-                self.caches.replay.reset(self.padding.scratch_slot)
             batch = self.build_batch(singles, multis, num_padding)
             batch.after_layer = self._exporter(exporting)
             hidden = self.model(batch, self.caches)
         if not sampling:
-            return StepResult({}, {})
+            return StepResult([], None)
         # the other samples of a request draw their first token from its row (parallel_sampling.py)
         drawing = [(i, s.request) for i, s in enumerate(sampling)]
         drawing += [
@@ -106,14 +139,15 @@ class ModelRunner:
         rows = _sampling_rows(drawing)
         self.sampler.prepare(rows)  # seeded rows' host-drawn noise, while the forward runs on the device
         logits = _drawn_logits(self.model.compute_logits(hidden), drawing, len(sampling))
-        return _result(drawing, self.sampler(logits, rows))
+        return StepResult([r.request_id for _, r in drawing], self.sampler(logits, rows))
 
     def _sample_on_first_rank(
         self, drawing: list[tuple[int, Request]], num_sampling: int, hidden: torch.Tensor
     ) -> StepResult:
         """Tensor parallel: each rank's slice of the vocabulary's logits is gathered on rank 0, which
         samples; every rank gets the tokens (its scheduler moves on and its samples fork with them),
-        rank 0 the logprobs."""
+        rank 0 the logprobs. Rank 0 reads its sampled ids back to broadcast them: a tensor-parallel
+        step keeps that one host sync."""
         logits = self.tp.gather_last_dim(self.model.compute_logits(hidden))
         out = None
         if logits is not None:
@@ -121,7 +155,7 @@ class ModelRunner:
             self.sampler.prepare(rows)
             out = self.sampler(_drawn_logits(logits, drawing, num_sampling), rows)
         token_ids = self.tp.broadcast_ids(out.token_ids if out else None, len(drawing), self.device)
-        return _result(drawing, out or SamplerOutput(token_ids, None))
+        return StepResult([r.request_id for _, r in drawing], out or SamplerOutput(token_ids))
 
     def _exporter(self, exporting: list[ScheduledRequest]) -> Callable[[int], None] | None:
         """After each layer, hand every exporting request its state that this layer made final:
@@ -198,7 +232,11 @@ class ModelRunner:
             pack.add(torch.cat(slot_mapping)),
             pack.add(long_tensor(logits_indices)),
         ]
-        single = self._group(rows, 0, pack) if rows else None
+        replay = self.caches.replay
+        counts = (
+            None if replay is None else [0 if r.request is None else replay.pending(r.slot) for r in rows]
+        )
+        single = self._group(rows, 0, pack, counts) if rows else None
         multi = self._group(multi_rows, len(rows), pack) if multi_rows else None
         pack.to(self.device)
         batch = ForwardBatch(*(pack.get(i) for i in flat), single=None, multi=None)
@@ -206,8 +244,11 @@ class ModelRunner:
         batch.multi = multi.build(pack) if multi is not None else None
         return batch
 
-    def _group(self, rows: list[_Row], offset: int, pack: HostPack) -> _GroupPlan:
-        """Queue one token group's host integers (per row, and the block tables) into `pack`."""
+    def _group(
+        self, rows: list[_Row], offset: int, pack: HostPack, replay_counts: list[int] | None = None
+    ) -> _GroupPlan:
+        """Queue one token group's host integers (per row, the block tables, the ReplaySSM record
+        counts of a decode group) into `pack`."""
         lengths = [r.num_new for r in rows]
         computed = [r.num_computed for r in rows]
         starts = list(itertools.accumulate(lengths[:-1], initial=offset))
@@ -224,6 +265,7 @@ class ModelRunner:
                 range(b * max_len, b * max_len + n) for b, n in enumerate(lengths)
             )
             valid_id = pack.add(long_tensor(list(valid)))
+        counts_id = None if replay_counts is None else pack.add(long_tensor(replay_counts))
         return _GroupPlan(
             lengths,
             starts,
@@ -235,6 +277,7 @@ class ModelRunner:
             per_row,
             table_id,
             valid_id,
+            counts_id,
         )
 
 
@@ -246,20 +289,10 @@ def _drawn_logits(
     logits: torch.Tensor, drawing: list[tuple[int, Request]], num_sampling: int
 ) -> torch.Tensor:
     """One logits row per drawing request (the `num_sampling` scheduled ones first): a prompt's row
-    repeated for its samples that fork."""
+    repeated for its samples that fork (the index goes to the device without a stream sync)."""
     if len(drawing) == num_sampling:
         return logits
-    return logits[torch.tensor([i for i, _ in drawing], dtype=torch.long, device=logits.device)]
-
-
-def _result(drawing: list[tuple[int, Request]], out: SamplerOutput) -> StepResult:
-    ids = {r.request_id: t for (_, r), t in zip(drawing, out.token_ids)}
-    lps: dict[str, dict[int, float]] = {}
-    if out.logprobs is not None:
-        for (_, r), lp in zip(drawing, out.logprobs):
-            if lp is not None:
-                lps[r.request_id] = lp
-    return StepResult(ids, lps)
+    return logits[device_tensor([i for i, _ in drawing], torch.long, logits.device)]
 
 
 @dataclass
@@ -276,6 +309,7 @@ class _GroupPlan:
     per_row_id: int
     tables_id: int
     valid_id: int | None
+    replay_counts_id: int | None = None
 
     def build(self, pack: HostPack) -> TokenGroup:
         num_rows, bs = len(self.lengths), self.block_size
@@ -297,6 +331,7 @@ class _GroupPlan:
             slot_ids=self.slot_ids,
             valid_index=None if self.valid_id is None else pack.get(self.valid_id),
             starts=self.starts,
+            replay_counts=None if self.replay_counts_id is None else pack.get(self.replay_counts_id),
         )
 
 

@@ -7,9 +7,15 @@ slot's recurrent state outside a forward must `flush(slot)` first (state_transfe
 does); flushing is always exact, whenever it happens. A slot handed out afresh holds no records
 (`reset`, called by the slot allocator).
 
-Counts live on the host (no device read decides anything). `take_folds` names the slots whose
-every layer folded in the forwards since it was last called: their records are still in the ring
-buffers until the slot's next step, which is when a decode worker copies them to publish.
+Counts live on the host (no device read decides anything). A decode step reads each row's count
+from a device tensor the runner sends with the step's other indices (`TokenGroup.replay_counts`), and
+the Triton kernel appends the record and folds a filling ring itself, so a CUDA graph of the step
+replays all of it; the host moves its counts as it queues the step (each layer's `step` eagerly, or
+`advance` after a graph's replay). Padding rows read count 0 on the
+scratch slot: they never fill a ring (window 1 aside, where they fold into the scratch slot alone).
+`take_folds` names the slots whose every layer folded in the forwards since it was last called:
+their records are still in the ring buffers until the slot's next step, which is when a decode
+worker copies them to publish.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve.engine.host_staging import device_tensor
 from splitserve.engine.ops.replay_ssm import rebuild, replay_backend, replay_step
 
 
@@ -45,29 +52,36 @@ class ReplayLayerRing:
         g: torch.Tensor,
         beta: torch.Tensor,
         index: torch.Tensor,
+        counts: torch.Tensor,
         slots: list[int],
     ) -> torch.Tensor:
-        """One decode step of rows in `slots` (`index`: the same on the device); returns the output
-        [N, H, Dv]. Appends each row's record and folds the rings that filled."""
-        pos = torch.tensor([self.counts[s] for s in slots], dtype=torch.long, device=self.k.device)
+        """One decode step of rows in slots `index` holding `counts` records each (both on the
+        device, read there: a CUDA graph replays this); returns the output [N, H, Dv]. Appends each
+        row's record and folds the rings that fill; then moves the host's counts of `slots` (the
+        same slots on the host: a replayed CUDA graph runs none of this Python, and its runner
+        calls `ReplayRing.advance` instead). The Triton kernel decides the folds on the device; the
+        torch reference folds the slots whose count says so."""
         if replay_backend(q.device) == "triton":
             from splitserve.engine.ops.replay_ssm_triton import replay_step_triton
 
-            # the kernel stores the records and folds full rings itself; only the counts are ours
-            out = replay_step_triton(q, k, v, g, beta, self.checkpoint, self.k, self.u, self.g, index, pos)
-            for s in slots:
-                self.counts[s] += 1
-                if self.counts[s] == self.window:
-                    self.counts[s] = 0
-                    self.folded.add(s)
+            out = replay_step_triton(q, k, v, g, beta, self.checkpoint, self.k, self.u, self.g, index, counts)
+            self.advance(slots)
             return out
         out, u, g_cum = replay_step(
-            q, k, v, g, beta, self.checkpoint[index], self.k[index], self.u[index], self.g[index], pos
+            q, k, v, g, beta, self.checkpoint[index], self.k[index], self.u[index], self.g[index], counts
         )
-        self.k[index, pos], self.u[index, pos], self.g[index, pos] = k, u, g_cum
-        for s in slots:
-            self.counts[s] += 1
-        self.fold([s for s in slots if self.counts[s] == self.window])
+        self.k[index, counts], self.u[index, counts], self.g[index, counts] = k, u, g_cum
+        full = sorted({s for s in slots if self.counts[s] + 1 == self.window})
+        if full:  # the eager reference: which rings fill is the host's to say
+            index_full = device_tensor(full, torch.long, self.k.device)
+            self.checkpoint[index_full] = rebuild(
+                self.checkpoint[index_full],
+                self.k[index_full],
+                self.u[index_full],
+                self.g[index_full],
+                self.window,
+            )
+        self.advance(slots)
         return out
 
     def fold(self, slots: list[int]) -> None:
@@ -75,8 +89,8 @@ class ReplayLayerRing:
         slots = [s for s in slots if self.counts[s] > 0]
         if not slots:
             return
-        index = torch.tensor(slots, dtype=torch.long, device=self.k.device)
-        steps = torch.tensor([self.counts[s] for s in slots], dtype=torch.long, device=self.k.device)
+        index = device_tensor(slots, torch.long, self.k.device)
+        steps = device_tensor([self.counts[s] for s in slots], torch.long, self.k.device)
         self.checkpoint[index] = rebuild(
             self.checkpoint[index], self.k[index], self.u[index], self.g[index], steps
         )
@@ -84,6 +98,15 @@ class ReplayLayerRing:
             if self.counts[s] == self.window:
                 self.folded.add(s)
             self.counts[s] = 0
+
+    def advance(self, slots: list[int]) -> None:
+        """The host's side of a decode step of `slots`: one more record each; a ring that filled
+        was folded on the device and starts again."""
+        for s in slots:
+            self.counts[s] += 1
+            if self.counts[s] == self.window:
+                self.counts[s] = 0
+                self.folded.add(s)
 
     def records(self, slot: int, num: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Copies of the first `num` records of `slot` (k [num, H, Dk], u [num, H, Dv], G [num, H, Dk])."""
@@ -126,6 +149,16 @@ class ReplayRing:
             if layer.counts[slot]:
                 layer.fold([slot])
                 layer.folded.discard(slot)  # a partial window: not a publishable fold
+
+    def advance(self, slots: list[int]) -> None:
+        """After a replayed decode step of `slots` (a CUDA graph runs no Python): every layer's
+        count moves on, as each layer's `step` does in an eager forward."""
+        for layer in self.layers.values():
+            layer.advance(slots)
+
+    def counts_of(self, slots: list[int]) -> list[int]:
+        """Records each of `slots` holds, as a decode step reads them (the same in every layer between steps)."""
+        return [self.pending(s) for s in slots]
 
     def pending(self, slot: int) -> int:
         """Records `slot` holds past its checkpoint (the same in every layer unless flushed mid-forward)."""

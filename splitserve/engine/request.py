@@ -118,5 +118,11 @@ class Request:
         return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
 
     @property
+    def running_slot(self) -> int:
+        """`state_slot` of a request a step runs (every scheduled request holds one)."""
+        assert self.state_slot is not None, f"{self.request_id} runs without a state slot"
+        return self.state_slot
+
+    @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED

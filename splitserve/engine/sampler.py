@@ -8,7 +8,9 @@ The cuts run on the top-K candidates of each row rather than on a full sort of t
 K starts at the largest `top_k + 1` in the batch (64 for rows cut by top_p or min_p alone) and
 grows 16-fold for the rows whose kept set reached the last candidate, up to the vocabulary. Every
 cut is decided by value (tokens with equal logits are kept or cut together), so a row's kept set
-does not depend on K, on the order `topk` gives ties, or on what else is in the batch.
+does not depend on K, on the order `topk` gives ties, or on what else is in the batch. Growing K
+reads a mask back to the host, so a sync-free sampler (CUDA's) takes another road to the same set:
+the whole vocabulary sorted for rows with top_p, a threshold mask for the others.
 """
 
 from __future__ import annotations
@@ -21,8 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.engine.host_staging import device_tensor, to_device
+from splitserve.engine.sampler_output import LogprobTensors, SamplerOutput
+from splitserve.engine.sampling_cuts import kept_candidates, threshold_keep
 from splitserve.engine.seeded_noise import SeededNoise
 from splitserve.sampling_params import SamplingParams
+
+__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "apply_penalties", "draw_seed", "kept_candidates"]
 
 _MASK64 = (1 << 64) - 1
 _FIRST_CANDIDATES = 64  # candidates tried first for a row cut only by top_p or min_p
@@ -33,19 +40,18 @@ _GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature is greedy
 
 @dataclass
 class SamplingRow:
-    """One request's view for this step; the token drawn is output token `len(output_token_ids)`."""
+    """One request's view for this step; the token drawn is output token `output_index`:
+    `len(output_token_ids)` plus the `num_pending` tokens sampled on the device whose ids the host
+    does not know yet (async scheduling: they count, their values are never read)."""
 
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
+    num_pending: int = 0
 
-
-@dataclass
-class SamplerOutput:
-    """One token per row; `logprobs[i]` is None for a row that did not ask (the list is None if none did)."""
-
-    token_ids: list[int]
-    logprobs: list[dict[int, float] | None] | None
+    @property
+    def output_index(self) -> int:
+        return len(self.output_token_ids) + self.num_pending
 
 
 def _splitmix64(x: int) -> int:
@@ -81,6 +87,7 @@ def apply_penalties(
 ) -> torch.Tensor:
     """Penalize contiguous fp32 `logits` [rows, vocab] in place as vLLM does, and return them.
 
+    The seen positions are built on the host and sent to the device without a stream sync.
     Repetition (the CTRL rule, over prompt and output tokens): a seen token's positive logit is
     divided by the penalty, a negative one multiplied. Then, over output tokens only (OpenAI's
     definition): `logits -= frequency * count + presence * (count > 0)`. Token ids outside the
@@ -94,8 +101,10 @@ def apply_penalties(
         prompt_positions = _flat_positions(prompt_token_ids, vocab_size)
         # Repeats are harmless: every copy of a position writes the same value.
         seen = torch.cat([prompt_positions, output_positions])
-        penalty = torch.tensor(repetition_penalties, dtype=torch.float32)[seen // vocab_size].to(device)
-        seen = seen.to(device)
+        penalty = to_device(
+            torch.tensor(repetition_penalties, dtype=torch.float32)[seen // vocab_size], device
+        )
+        seen = to_device(seen, device)
         values = flat[seen]
         flat[seen] = torch.where(values > 0, values / penalty, values * penalty)
     if any(f != 0.0 for f in frequency_penalties) or any(p != 0.0 for p in presence_penalties):
@@ -103,59 +112,9 @@ def apply_penalties(
         rows = positions // vocab_size
         frequency = torch.tensor(frequency_penalties, dtype=torch.float32)[rows]
         presence = torch.tensor(presence_penalties, dtype=torch.float32)[rows]
-        positions = positions.to(device)
-        flat[positions] -= (frequency * counts + presence).to(device)
+        positions = to_device(positions, device)
+        flat[positions] -= to_device(frequency * counts + presence, device)
     return logits
-
-
-def _mass_strictly_above(vals: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """For sorted-descending candidates, the weight of candidates with a strictly larger value."""
-    before = weight.cumsum(dim=1) - weight
-    # Tied candidates take the mass before the first of them, so a tie is kept or cut as a whole.
-    positions = torch.arange(vals.shape[1], device=vals.device).expand_as(vals)
-    starts_tie = torch.ones_like(vals, dtype=torch.bool)
-    starts_tie[:, 1:] = vals[:, 1:] != vals[:, :-1]
-    tie_start = torch.where(starts_tie, positions, 0).cummax(dim=1).values
-    return before.gather(1, tie_start)
-
-
-def kept_candidates(
-    vals: torch.Tensor, logits: torch.Tensor, params: Sequence[SamplingParams]
-) -> torch.Tensor:
-    """Which of the top-K candidates survive min_p, then top_k, then top_p (over the renormalized
-    survivors), as a [rows, K] mask. `vals` are the candidates' logits divided by each row's
-    temperature, sorted descending; `logits` the rows' whole unscaled logits.
-
-    A token is kept by top_p when the probability of the tokens strictly more likely than it is
-    below `top_p`; by min_p when its probability is at least `min_p` times the largest.
-    """
-    device, (num_rows, num_candidates), vocab_size = vals.device, vals.shape, logits.shape[1]
-    top = vals[:, :1]
-    log_min_p = torch.tensor([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], device=device)
-    weight = (vals - top).exp()
-    keep = ((vals - top) >= log_min_p[:, None]) & (weight > 0)
-    top_k = [min(p.top_k, vocab_size) for p in params]
-    kth = torch.full((num_rows, 1), -math.inf, device=device)
-    if any(top_k):
-        kth_index = torch.tensor([max(k, 1) - 1 for k in top_k], device=device)[:, None]
-        cut_by_k = torch.tensor([k > 0 for k in top_k], device=device)[:, None]
-        kth = torch.where(cut_by_k, vals.gather(1, kth_index), -math.inf)
-        keep &= vals >= kth
-    top_p = [p.top_p for p in params]
-    if any(p < 1.0 for p in top_p):
-        weight = weight * keep
-        total = weight.sum(dim=1)
-        top_p_t = torch.tensor(top_p, device=device)
-        spills = keep[:, -1] & (top_p_t < 1.0) & (num_candidates < vocab_size)
-        if bool(spills.any()):  # survivors past the candidates: renormalize over the whole row
-            temperature = torch.tensor([p.temperature for p in params], device=device)[spills, None]
-            rows = logits[spills] / temperature
-            rel = rows - top[spills]
-            survives = (rel >= log_min_p[spills, None]) & (rows >= kth[spills])
-            total[spills] = (rel.exp() * survives).sum(dim=1)
-        inside = _mass_strictly_above(vals, weight) < (top_p_t * total)[:, None]
-        keep &= inside | (top_p_t[:, None] >= 1.0)
-    return keep
 
 
 class Sampler:
@@ -169,6 +128,13 @@ class Sampler:
     `base_seed`, drawn in one batch. `vocab_size` is the width of the logits (the model's, which
     may exceed the tokenizer's). Stopping is the engine's business; this only masks stop tokens
     before `min_tokens`.
+
+    Nothing is read back to the host inside a call: the output's ids stay on the device and reach
+    the host once, asynchronously (sampler_output.py). With `sync_free` (the default on CUDA) the
+    cuts decide without a read-back too: rows with top_p sort their whole vocabulary and the others
+    keep by threshold (sampling_cuts.py); without it (the CPU's default, where a read-back costs
+    nothing) they look at top-K candidates and grow K for rows whose kept set did not fit. Both
+    keep the same tokens.
     """
 
     def __init__(
@@ -178,11 +144,14 @@ class Sampler:
         device: torch.device | str = "cpu",
         base_seed: int = 0,
         noise_ahead: bool | None = None,
+        sync_free: bool | None = None,
     ) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self.device = torch.device(device)
-        self._generator = torch.Generator(device=self.device)
+        self.sync_free = self.device.type == "cuda" if sync_free is None else sync_free
+        # meta (shapes only: the CPU's host-sync tests) has no generator; a CPU one stands in
+        self._generator = torch.Generator(device=self.device if self.device.type != "meta" else "cpu")
         self._generator.manual_seed(base_seed)
         self._seeded_noise = SeededNoise(vocab_size, self.device, noise_ahead)
 
@@ -192,7 +161,7 @@ class Sampler:
         call without it draws the same noise itself."""
         self._seeded_noise.prepare(
             [
-                draw_seed(row.params.seed, len(row.output_token_ids))
+                draw_seed(row.params.seed, row.output_index)
                 for row in rows
                 if row.params.seed is not None and not _is_greedy(row.params)
             ]
@@ -211,11 +180,12 @@ class Sampler:
         stop_masks = self._stop_masks(rows)
         penalized = any(_has_penalty(p) for p in params)
         if all(_is_greedy(p) for p in params) and not (wants_logprobs or stop_masks[0] or penalized):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), None)
+            return SamplerOutput(logits.argmax(dim=-1))
         if stop_masks[0] or penalized:  # changed in place: our own contiguous fp32 copy
             x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
             if stop_masks[0]:
-                x[stop_masks] = -math.inf
+                mask_rows, mask_ids = (self._index(m) for m in stop_masks)
+                x.index_put_((mask_rows, mask_ids), x.new_full((), -math.inf))
             if penalized:
                 self._penalize(x, rows)
         else:
@@ -224,11 +194,11 @@ class Sampler:
         greedy = [i for i, p in enumerate(params) if _is_greedy(p)]
         random = [i for i, p in enumerate(params) if not _is_greedy(p)]
         if greedy:
-            _put(token_ids, greedy, _take(x, greedy).argmax(dim=-1))
+            self._put(token_ids, greedy, self._take(x, greedy).argmax(dim=-1))
         if random:
-            _put(token_ids, random, self._sample_random(_take(x, random), [rows[i] for i in random]))
-        tokens = token_ids.tolist()
-        return SamplerOutput(tokens, self._logprobs(logits, tokens, params) if wants_logprobs else None)
+            drawn = self._sample_random(self._take(x, random), [rows[i] for i in random])
+            self._put(token_ids, random, drawn)
+        return SamplerOutput(token_ids, self._logprobs(logits, token_ids, params) if wants_logprobs else None)
 
     def _check(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] != self.vocab_size:
@@ -245,7 +215,7 @@ class Sampler:
         mask_rows: list[int] = []
         mask_ids: list[int] = []
         for i, row in enumerate(rows):
-            if len(row.output_token_ids) < row.params.min_tokens:
+            if row.output_index < row.params.min_tokens:
                 ids = {t for t in (*self.eos_token_ids, *row.params.stop_token_ids) if t < self.vocab_size}
                 mask_rows.extend([i] * len(ids))
                 mask_ids.extend(sorted(ids))
@@ -265,51 +235,59 @@ class Sampler:
 
     def _sample_random(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         params = [row.params for row in rows]
-        seeds = [
-            None if p.seed is None else draw_seed(p.seed, len(r.output_token_ids))
-            for p, r in zip(params, rows)
-        ]
+        seeds = [None if p.seed is None else draw_seed(p.seed, r.output_index) for p, r in zip(params, rows)]
         token_ids = torch.empty(len(rows), dtype=torch.int64, device=x.device)
-        cut = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0]
-        whole = [i for i, p in enumerate(params) if not (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)]
+        cut = [i for i, p in enumerate(params) if _is_cut(p)]
+        whole = [i for i, p in enumerate(params) if not _is_cut(p)]
+        if self.sync_free:  # rows without top_p race over the whole row, kept by threshold
+            whole += [i for i in cut if params[i].top_p >= 1.0]
+            cut = [i for i in cut if params[i].top_p < 1.0]
         if whole:  # the race runs over the whole vocabulary, noise indexed by token id
-            logits = _take(x, whole)
-            temperature = torch.tensor([params[i].temperature for i in whole], device=x.device)[:, None]
-            weight = (logits - logits.amax(dim=1, keepdim=True)).div_(temperature).exp_()
+            logits = self._take(x, whole)
+            temperature = self._floats([params[i].temperature for i in whole])[:, None]
+            sub = [params[i] for i in whole]
+            if any(_is_cut(p) for p in sub):
+                rel, keep = threshold_keep(logits / temperature, sub)
+                weight = rel.exp_().masked_fill_(~keep, 0.0)
+            else:
+                weight = (logits - logits.amax(dim=1, keepdim=True)).div_(temperature).exp_()
             q = self._exponentials([seeds[i] for i in whole], weight.shape[1])
-            _put(token_ids, whole, weight.div_(q).argmax(dim=1))
+            self._put(token_ids, whole, weight.div_(q).argmax(dim=1))
         if cut:
-            _put(
-                token_ids,
-                cut,
-                self._sample_cut(_take(x, cut), [params[i] for i in cut], [seeds[i] for i in cut]),
-            )
+            drawn = self._sample_cut(self._take(x, cut), [params[i] for i in cut], [seeds[i] for i in cut])
+            self._put(token_ids, cut, drawn)
         return token_ids
 
     def _sample_cut(
         self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None]
     ) -> torch.Tensor:
-        """Race over each row's kept candidates, growing K for rows whose kept set did not fit.
-        Temperature (positive) keeps the order, so it scales the candidates, not the vocabulary."""
+        """Race over each row's kept candidates, growing K for rows whose kept set did not fit
+        (sync-free: K is the whole vocabulary at once, a sort). Temperature (positive) keeps the
+        order, so it scales the candidates, not the vocabulary."""
         vocab_size = logits.shape[1]
-        temperature = torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
+        temperature = self._floats([p.temperature for p in params])[:, None]
         token_ids = torch.empty(len(params), dtype=torch.int64, device=logits.device)
         pending = list(range(len(params)))
         num_candidates = min(
             vocab_size, max(p.top_k + 1 if p.top_k > 0 else _FIRST_CANDIDATES for p in params)
         )
+        if self.sync_free:
+            num_candidates = vocab_size
         while pending:
-            sub = _take(logits, pending) if len(pending) < len(params) else logits
+            sub = self._take(logits, pending) if len(pending) < len(params) else logits
             vals, ids = sub.topk(num_candidates, dim=1)
-            vals /= _take(temperature, pending)
+            vals /= self._take(temperature, pending)
             keep = kept_candidates(vals, sub, [params[i] for i in pending])
             fits = [True] * len(pending) if num_candidates == vocab_size else (~keep[:, -1]).tolist()
             done = [j for j, ok in enumerate(fits) if ok]
             if done:
                 drawn = self._race(
-                    _take(vals, done), _take(ids, done), _take(keep, done), [seeds[pending[j]] for j in done]
+                    self._take(vals, done),
+                    self._take(ids, done),
+                    self._take(keep, done),
+                    [seeds[pending[j]] for j in done],
                 )
-                _put(token_ids, [pending[j] for j in done], drawn)
+                self._put(token_ids, [pending[j] for j in done], drawn)
             pending = [i for i, ok in zip(pending, fits) if not ok]
             num_candidates = min(vocab_size, num_candidates * _CANDIDATE_GROWTH)
         return token_ids
@@ -337,51 +315,47 @@ class Sampler:
         if seeded:
             noise = self._seeded_noise.draw([seeds[i] for i in seeded])  # type: ignore[misc]
             if ids is not None:
-                noise = noise.gather(1, _take(ids, seeded))
-            q = noise if len(seeded) == len(seeds) else q.index_copy_(0, _index(seeded, q.device), noise)
+                noise = noise.gather(1, self._take(ids, seeded))
+            q = noise if len(seeded) == len(seeds) else q.index_copy_(0, self._index(seeded), noise)
         return q
 
     def _logprobs(
-        self, logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]
-    ) -> list[dict[int, float] | None]:
-        """Top-n of the raw model distribution plus the sampled token, for each row that asked."""
+        self, logits: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]
+    ) -> LogprobTensors:
+        """Top-n of the raw model distribution and the sampled token's, for each row that asked."""
         asked = [i for i, p in enumerate(params) if p.logprobs is not None]
-        logprobs = _take(logits, asked).float().log_softmax(dim=-1)
-        sampled = _index([tokens[i] for i in asked], logprobs.device)[:, None]
-        sampled_logprobs = logprobs.gather(1, sampled).squeeze(1).tolist()
-        top_n = max(params[i].logprobs or 0 for i in asked)
-        top_vals, top_ids = logprobs.topk(top_n, dim=1) if top_n else (logprobs[:, :0], sampled[:, :0])
-        top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
-        out: list[dict[int, float] | None] = [None] * len(params)
-        for j, i in enumerate(asked):
-            n = params[i].logprobs or 0
-            entry = dict(zip(top_ids_l[j][:n], top_vals_l[j][:n]))
-            entry.setdefault(tokens[i], sampled_logprobs[j])
-            out[i] = entry
-        return out
+        logprobs = self._take(logits, asked).float().log_softmax(dim=-1)
+        sampled = logprobs.gather(1, self._take(token_ids, asked)[:, None]).squeeze(1)
+        top_n = [params[i].logprobs or 0 for i in asked]
+        top_vals, top_ids = logprobs.topk(max(top_n), dim=1)
+        return LogprobTensors(asked, top_n, sampled, top_vals, top_ids)
+
+    def _index(self, indices: list[int]) -> torch.Tensor:
+        return device_tensor(indices, torch.int64, self.device)
+
+    def _floats(self, values: list[float]) -> torch.Tensor:
+        return device_tensor(values, torch.float32, self.device)
+
+    def _take(self, x: torch.Tensor, indices: list[int]) -> torch.Tensor:
+        """Rows `indices` of x; x itself when that is every row in order."""
+        if len(indices) == x.shape[0]:
+            return x
+        return x.index_select(0, self._index(indices))
+
+    def _put(self, dst: torch.Tensor, indices: list[int], src: torch.Tensor) -> None:
+        if len(indices) == dst.shape[0]:
+            dst.copy_(src)
+        else:
+            dst.index_copy_(0, self._index(indices), src)
 
 
 def _is_greedy(p: SamplingParams) -> bool:
     return p.temperature < _GREEDY_BELOW
 
 
+def _is_cut(p: SamplingParams) -> bool:
+    return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
+
+
 def _has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-
-
-def _index(indices: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(indices, dtype=torch.int64, device=device)
-
-
-def _take(x: torch.Tensor, indices: list[int]) -> torch.Tensor:
-    """Rows `indices` of x; x itself when that is every row in order."""
-    if len(indices) == x.shape[0]:
-        return x
-    return x.index_select(0, _index(indices, x.device))
-
-
-def _put(dst: torch.Tensor, indices: list[int], src: torch.Tensor) -> None:
-    if len(indices) == dst.shape[0]:
-        dst.copy_(src)
-    else:
-        dst.index_copy_(0, _index(indices, dst.device), src)

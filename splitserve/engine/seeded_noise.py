@@ -48,7 +48,8 @@ class SeededNoise:
         """Exp(1) noise [len(seeds), vocab_size] on the device, row i from seed `seeds[i]`."""
         if seeds and all(s in self._prepared for s in seeds):
             return torch.stack([self._prepared[s] for s in seeds])
-        return self._host_noise(seeds).to(self.device)
+        # as `prepare` does, pinned on CUDA: a pageable copy would synchronize the stream
+        return self._host_noise(seeds, pin=self.device.type == "cuda").to(self.device, non_blocking=True)
 
     def clear(self) -> None:
         self._prepared = {}

@@ -1,5 +1,5 @@
 """On CUDA, decode steps replayed from CUDA graphs give the eager engine's tokens at every batch size
-1..N (greedy and seeded, fp32); on the CPU, a capture that fails leaves the engine eager and unpadded."""
+1..N (greedy and seeded, fp32, ReplaySSM on and off); on the CPU, a capture that fails leaves the engine eager and unpadded."""
 
 from __future__ import annotations
 
@@ -33,11 +33,17 @@ def _params(num: int) -> list[SamplingParams]:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_graph_replay_gives_the_eager_tokens_at_every_batch_size(tiny_model_path):
+@pytest.mark.parametrize("replay_window", [0, 4])
+def test_graph_replay_gives_the_eager_tokens_at_every_batch_size(tiny_model_path, replay_window):
     # fp32: the same kernels and reduction order as eager, so tokens are exactly equal (a bf16 model's
-    # greedy tokens may flip on a matmul's batch-size-dependent rounding, eager or not)
+    # greedy tokens may flip on a matmul's batch-size-dependent rounding, eager or not); with ReplaySSM
+    # rings (window 4: folds every 4 tokens) the ring kernel's appends and folds replay too
     kwargs: dict[str, Any] = dict(
-        dtype="float32", device="cuda", max_model_len=256, max_num_seqs=MAX_NUM_SEQS
+        dtype="float32",
+        device="cuda",
+        max_model_len=256,
+        max_num_seqs=MAX_NUM_SEQS,
+        replay_window=replay_window,
     )
     eager = LLM(str(tiny_model_path), enforce_eager=True, **kwargs)
     assert eager.engine.runner.graphs is None

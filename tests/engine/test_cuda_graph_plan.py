@@ -66,7 +66,9 @@ def test_refusals_name_their_reason(monkeypatch):
     config = EngineConfig(model="m")
     assert "not CUDA" in (graph_refusal(config, _Dense(), torch.device("cpu")) or "")
     assert "enforce_eager" in (graph_refusal(config.replace(enforce_eager=True), _Dense(), CUDA) or "")
-    assert "replay_window" in (graph_refusal(config.replace(replay_window=16), _Dense(), CUDA) or "")
+    monkeypatch.setenv("SPLITSERVE_REPLAY_BACKEND", "torch")
+    assert "ReplaySSM" in (graph_refusal(config.replace(replay_window=16), _Dense(), CUDA) or "")
+    monkeypatch.delenv("SPLITSERVE_REPLAY_BACKEND")
     monkeypatch.setenv("SPLITSERVE_MLA_BACKEND", "torch")
     assert "paged MLA" in (graph_refusal(config, _Dense(), CUDA) or "")
     monkeypatch.setattr("splitserve.engine.ops.paged_mla.mla_backend", lambda device: "triton")
@@ -75,6 +77,7 @@ def test_refusals_name_their_reason(monkeypatch):
     assert graph_refusal(config, _Dense(), CUDA) is None  # no experts: the MoE kernel is not needed
     monkeypatch.setattr("splitserve.engine.ops.fused_moe.triton_available", lambda: True)
     assert graph_refusal(config, _WithExperts(), CUDA) is None
+    assert graph_refusal(config.replace(replay_window=16), _WithExperts(), CUDA) is None  # the Triton kernel
 
 
 def test_plan_pads_only_with_graphs_or_when_asked(monkeypatch):

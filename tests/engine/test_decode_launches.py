@@ -30,9 +30,11 @@ def test_the_counter_sees_each_layers_kernels_in_its_module():
     assert step.total == sum(step.per_layer()) + sum(step.outside_layers().values())
 
 
+@pytest.mark.parametrize("replay_window", [0, 16])
 @pytest.mark.parametrize("batch_size", [1, 64])
-def test_a_1b_decode_step_stays_within_its_launch_budget(batch_size):
-    step = decode_launches.count_decode_step(decode_launches.model_config("1b"), batch_size)
+def test_a_1b_decode_step_stays_within_its_launch_budget(batch_size, replay_window):
+    config = decode_launches.model_config("1b")
+    step = decode_launches.count_decode_step(config, batch_size, replay_window=replay_window)
     report = decode_launches.report(step, verbose=True)
     assert max(step.per_layer()) <= MAX_LAUNCHES_PER_LAYER, report
     assert step.total <= MAX_LAUNCHES_PER_STEP, report
@@ -43,3 +45,12 @@ def test_the_command_prints_launches_per_step_and_per_layer(capsys):
     out = capsys.readouterr().out
     assert out.count("launches per decode step") == 2
     assert "launches per layer" in out and "KDA+MoE" in out and "MLA+MoE" in out
+
+
+def test_a_replay_ssm_decode_launches_its_ring_kernel_in_each_kda_layer():
+    config = decode_launches.model_config("tiny")
+    step = decode_launches.count_decode_step(config, batch_size=3, context=40, replay_window=4)
+    for layer in config.kda_layer_ids:
+        attention = f"model.layers.{layer}.self_attn"
+        assert step.counts[(attention, "triton:replay_step")] == 1, layer
+        assert step.counts[(attention, "fla:fused_recurrent_kda_fwd")] == 0, layer

@@ -1,8 +1,8 @@
 """Decode batches padded to a CUDA graph bucket, run eagerly on the CPU: the same tokens as unpadded
 (greedy and seeded, ReplaySSM on and off, with and without prefill chunks in the step), padding only
 ever on the scratch KV row and state slot, which no request is given; the graph runner's own
-forward (static buffers, KV index built in the graph) gives the same tokens too; the switch off is
-the old engine."""
+forward (static buffers, KV index and ReplaySSM record counts read in the graph) gives the same tokens
+too; the switch off is the old engine."""
 
 from __future__ import annotations
 
@@ -162,9 +162,12 @@ class _EagerGraphs(DecodeGraphs):
         return self.forward(size)[: len(requests)]
 
 
+@pytest.mark.parametrize("replay_window", [0, 4])
 @pytest.mark.parametrize("mixed", [False, True])
-def test_graph_runner_forward_gives_the_unpadded_tokens(tiny_model_path, prompts, unpadded, mixed):
-    llm = LLM(model=str(tiny_model_path), pad_decode_batches=True, **_engine_kwargs(0, mixed))
+def test_graph_runner_forward_gives_the_unpadded_tokens(
+    tiny_model_path, prompts, unpadded, mixed, replay_window
+):
+    llm = LLM(model=str(tiny_model_path), pad_decode_batches=True, **_engine_kwargs(replay_window, mixed))
     engine = llm.engine
     assert engine.padding is not None
     graphs = _EagerGraphs(
@@ -177,7 +180,7 @@ def test_graph_runner_forward_gives_the_unpadded_tokens(tiny_model_path, prompts
     )
     engine.runner.graphs = graphs
     outs = _generate(llm, prompts, arrivals=mixed)
-    _check_same(outs, unpadded(0, mixed))
+    _check_same(outs, unpadded(replay_window, mixed))
     assert graphs.num_runs > 0
 
 

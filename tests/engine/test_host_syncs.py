@@ -16,6 +16,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from splitserve import LLM, SamplingParams
+from splitserve.engine import host_pack
 from splitserve.engine.forward_batch import TokenGroup
 from splitserve.engine.model import kda as kda_layer
 from splitserve.engine.model_runner import ModelRunner
@@ -35,16 +36,23 @@ def runner(tiny_model_path) -> ModelRunner:
 
 @pytest.fixture
 def device_copies(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
-    """The arguments of every `Tensor.to` call naming a device, from now until the test ends."""
+    """The arguments of every host-to-device copy (`Tensor.to` naming a device, or the pinned
+    `to_device` a `HostPack` sends through, which on the CPU calls no `to`), until the test ends."""
     copies: list[tuple[Any, ...]] = []
     to = torch.Tensor.to
+    pack_to_device = host_pack.to_device
 
     def counting_to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if any(isinstance(a, torch.device) for a in (*args, *kwargs.values())):
             copies.append(args)
         return to(self, *args, **kwargs)
 
+    def counting_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        copies.append((device,))
+        return pack_to_device(tensor, device)
+
     monkeypatch.setattr(torch.Tensor, "to", counting_to)
+    monkeypatch.setattr(host_pack, "to_device", counting_to_device)
     return copies
 
 

@@ -82,6 +82,7 @@ def test_rows_at_different_points_of_their_windows_step_together():
             g[t, rows_t],
             beta[t, rows_t],
             index[rows_t],
+            torch.tensor([layer.counts[slots[i]] for i in active]),
             [slots[i] for i in active],
         )
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
@@ -98,8 +99,9 @@ def test_take_folds_names_the_slots_whose_window_filled():
     ring = ReplayRing.allocate(pools, 3, "cpu")
     q, k, v, g, beta, _ = _inputs(gen, 4, 1, 1, 4, 4, 1.0)
     for t in range(3):
+        counts = torch.tensor(ring.counts_of([2]))
         for layer in ring.layers.values():
-            layer.step(q[t], k[t], v[t], g[t], beta[t], torch.tensor([2]), [2])
+            layer.step(q[t], k[t], v[t], g[t], beta[t], torch.tensor([2]), counts, [2])
         assert ring.take_folds() == ({2} if t == 2 else set())
     ring.reset(2)
     assert ring.pending(2) == 0

@@ -40,13 +40,12 @@ def interpreted_errors() -> dict[str, float]:
             g = -torch.rand(n, heads, dk, generator=gen)
             beta = torch.rand(n, heads, generator=gen)
             index = torch.tensor(active)
-            expected = reference.step(q, k, v, g, beta, index, active)
+            expected = reference.step(q, k, v, g, beta, index, torch.tensor(reference.counts)[index], active)
             count = torch.tensor([kernel.counts[s] for s in active])
             got = replay_step_triton(
                 q, k, v, g, beta, kernel.checkpoint, kernel.k, kernel.u, kernel.g, index, count, block_v
             )
-            for s in active:
-                kernel.counts[s] = (kernel.counts[s] + 1) % window
+            kernel.advance(active)
             assert kernel.counts == reference.counts
             worst["out"] = max(worst["out"], float((got - expected).abs().max()))
             worst["checkpoint"] = max(

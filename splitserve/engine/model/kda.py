@@ -131,8 +131,9 @@ class KimiDeltaAttention(nn.Module):
         replay: ReplayLayerRing | None,
     ) -> torch.Tensor:
         """One token per row of `group`: the delta rule on the rows' states (or their ReplaySSM rings)."""
-        if replay is not None:
-            return replay.step(q, k, v, g, beta, group.state_slots, group.slot_ids)
+        if replay is not None:  # each row's record count comes with the step (graph-safe)
+            assert group.replay_counts is not None, "a ReplaySSM decode needs the rows' record counts"
+            return replay.step(q, k, v, g, beta, group.state_slots, group.replay_counts, group.slot_ids)
         slots = group.state_slots
         if kda_backend(q.device) == "fla":  # fla takes int32 slots: made once per step, shared by the layers
             slots = group.derived.get("kda_slots_int32", slots)

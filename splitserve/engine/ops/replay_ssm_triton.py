@@ -9,19 +9,19 @@ the programs of value block 0; every program writes its columns of `u` and, on a
 checkpoint (`rebuild` of every record, the current one taken from registers). The slot's state
 is not written on any other step, which is what the ring form saves over the plain recurrent
 kernel. Under `TRITON_INTERPRET=1` it runs on CPU tensors (how the tests check it).
-The kernel is decorated on first use, per interpreter mode (as in paged_mla_triton.py).
+Each row's record count is read from a device tensor (one per row) and nothing is decided on the
+host, so a CUDA graph of the decode step replays the append and the fold. The kernel is a
+`TritonKernel` (ops/triton_kernel.py): jitted on first use per interpreter mode, stubbed and counted
+on the CPU like the others.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
 
-_KERNELS: dict[bool, Any] = {}
+from splitserve.engine.ops.triton_kernel import TritonKernel
 
 
 def _replay_step_kernel(
@@ -101,11 +101,7 @@ def _replay_step_kernel(
         tl.store(ckpt, state, mask=tile_ok)
 
 
-def _kernel() -> Any:
-    interpret = bool(knobs.runtime.interpret)
-    if interpret not in _KERNELS:
-        _KERNELS[interpret] = triton.jit(_replay_step_kernel)
-    return _KERNELS[interpret]
+REPLAY_STEP = TritonKernel("replay_step", _replay_step_kernel)
 
 
 def replay_step_triton(
@@ -122,7 +118,8 @@ def replay_step_triton(
     count: torch.Tensor,
     block_v: int = 32,
 ) -> torch.Tensor:
-    """One decode step of rows in slots `index` holding `count` records each (< window).
+    """One decode step of rows in slots `index` holding `count` records each (< window; int32 or
+    int64, on the device).
 
     Pools: checkpoint [slots, H, Dk, Dv], rings [slots, L, H, D], all fp32 and contiguous; they are
     updated in place (the record at `count`; the checkpoint of rows whose ring fills). Returns the
@@ -136,7 +133,7 @@ def replay_step_triton(
     out = torch.empty(rows, heads, dv, dtype=torch.float32, device=q.device)
     block_v = min(block_v, triton.next_power_of_2(dv))
     grid = (rows, heads, triton.cdiv(dv, block_v))
-    _kernel()[grid](
+    REPLAY_STEP[grid](
         q,
         k,
         v,
@@ -147,7 +144,7 @@ def replay_step_triton(
         ring_u,
         ring_g,
         index.contiguous(),
-        count.to(torch.int32).contiguous(),
+        count.contiguous(),
         out,
         heads,
         dk,
