@@ -61,6 +61,10 @@ class EngineConfig:
     # pad single-token rows to the bucket even when the step runs eagerly (the CPU tests of the
     # padding path; costs compute): graphs always pad, this only forces it without them
     pad_decode_batches: bool = False
+    # async scheduling (engine/step_pipeline.py): queue step N+1 before reading step N's sampled ids,
+    # so the host's scheduling and token handling overlap the device's work. None: on for a CUDA
+    # device, off elsewhere (on a CPU the forward runs on the host thread: nothing to overlap)
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         positive = {
@@ -88,7 +92,9 @@ class EngineConfig:
         if self.replay_window < 0:
             raise ValueError(f"replay_window must be 0 (off) or a number of steps (got {self.replay_window})")
         if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES} (got {self.preemption_mode!r})")
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES} (got {self.preemption_mode!r})"
+            )
         if self.swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be at least 0 (got {self.swap_space_bytes})")
         if self.snapshot_memory_bytes < 0:
