@@ -38,9 +38,9 @@ def _drain(engine: Any) -> tuple[int, int]:
     computed, peak = [0], 0
     blocks, execute = engine.scheduler.blocks, engine.runner.execute
 
-    def counting(scheduled):  # type: ignore[no-untyped-def]
+    def counting(scheduled, *rest):  # type: ignore[no-untyped-def]
         computed[0] += sum(s.num_new_tokens for s in scheduled)
-        return execute(scheduled)
+        return execute(scheduled, *rest)
 
     engine.runner.execute = counting
     try:

@@ -91,10 +91,10 @@ def count_computed(engine: LLMEngine) -> Callable[[], tuple[int, int]]:
     total = [0, 0]
     execute = engine.runner.execute
 
-    def counted(scheduled):  # type: ignore[no-untyped-def]
+    def counted(scheduled, *rest):  # type: ignore[no-untyped-def]
         total[0] += sum(s.num_new_tokens for s in scheduled)
         total[1] += 1
-        return execute(scheduled)
+        return execute(scheduled, *rest)
 
     engine.runner.execute = counted  # type: ignore[method-assign]
     return lambda: (total[0], total[1])

@@ -66,6 +66,11 @@ class EngineConfig:
     # the ranks whole instead of each being cut
     tensor_parallel_size: int = 1
     expert_parallel: bool = False
+    # async scheduling (engine/step_pipeline.py): queue step N+1 before reading step N's sampled ids,
+    # so the host's scheduling and token handling overlap the device's work. None: on for a CUDA
+    # device, off elsewhere (on a CPU the forward runs on the host thread: nothing to overlap)
+    # (a tensor-parallel engine runs synchronously: its ranks follow one step at a time)
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         positive = {

@@ -24,6 +24,7 @@ from splitserve.engine.cuda_graph_plan import DecodePadding
 from splitserve.engine.forward_batch import ForwardBatch, TokenGroup
 from splitserve.engine.host_pack import HostPack, block_tables, long_tensor
 from splitserve.engine.model.kimi_linear import KimiLinearForCausalLM, LayerCaches
+from splitserve.engine.pending_inputs import PendingInputs
 from splitserve.engine.request import Request
 
 logger = logging.getLogger(__name__)
@@ -118,24 +119,32 @@ class DecodeGraphs:
         )
         return self.model(batch, self.caches)
 
-    def run(self, requests: Sequence[Request], size: int) -> torch.Tensor:
+    def run(
+        self, requests: Sequence[Request], size: int, pending: PendingInputs | None = None
+    ) -> torch.Tensor:
         """Replay the graph of bucket `size` for one decode token of each request (at most `size`);
-        returns their final hidden states [len(requests), hidden], in order."""
-        self.load(requests, size)
+        returns their final hidden states [len(requests), hidden], in order. `pending`: the rows
+        whose input id is the last step's sample, on the device."""
+        self.load(requests, size, pending)
         self.graphs[size].replay()
         if self.caches.replay is not None:  # what each layer's eager `step` does on the host
             self.caches.replay.advance([r.running_slot for r in requests])
         return self.outputs[size][: len(requests)]
 
-    def load(self, requests: Sequence[Request], size: int) -> None:
+    def load(self, requests: Sequence[Request], size: int, pending: PendingInputs | None = None) -> None:
         """Copy the inputs of one decode token per request into the static buffers, then padding
-        rows (token 0 at position 0 on the scratch block and slot) up to `size` rows."""
+        rows (token 0 at position 0 on the scratch block and slot) up to `size` rows. A row in
+        `pending` takes its id from the last step's samples, on the device."""
         num_pad = size - len(requests)
         width = max([1, *(-(-(r.num_computed_tokens + 1) // self.block_size) for r in requests)])
         tables = [r.block_table for r in requests] + [[]] * num_pad
         pack = HostPack()  # one host-to-device copy for every buffer
         table_id = pack.add(block_tables(tables, width, fill=self.padding.scratch_block))
-        ids = pack.add(long_tensor([r.token_at(r.num_computed_tokens) for r in requests] + [0] * num_pad))
+        known = [
+            r.token_at(r.num_computed_tokens) if r.num_computed_tokens < r.num_known_tokens else 0
+            for r in requests
+        ]
+        ids = pack.add(long_tensor(known + [0] * num_pad))
         positions = pack.add(long_tensor([r.num_computed_tokens for r in requests] + [0] * num_pad))
         slots = pack.add(
             long_tensor([r.running_slot for r in requests] + [self.padding.scratch_slot] * num_pad)
@@ -147,11 +156,14 @@ class DecodeGraphs:
                 long_tensor(replay.counts_of([r.running_slot for r in requests]) + [0] * num_pad)
             )
             self._slot_ids[:size] = [r.running_slot for r in requests] + [self.padding.scratch_slot] * num_pad
+        pending_ids = None if pending is None else pending.queue(pack)
         pack.to(self.device)
         if counts is not None:
             self.replay_counts[:size].copy_(pack.get(counts))
         # columns past `width` keep an earlier step's block ids: valid rows, never read (query_pos)
         self.block_tables[:size, :width].copy_(pack.get(table_id).view(size, width))
         self.input_ids[:size].copy_(pack.get(ids))
+        if pending is not None and pending_ids is not None:
+            pending.fill(pack, pending_ids, self.input_ids)
         self.positions[:size].copy_(pack.get(positions))
         self.slots[:size].copy_(pack.get(slots))

@@ -7,7 +7,6 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,7 @@ from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from splitserve.engine.state_transfer import LayerState, token_rows
-from splitserve.engine.stopping import check_stop
+from splitserve.engine.step_pipeline import HANDOFF, RequestUpdate, StepPipeline
 from splitserve.engine.swap_space import SwapSpace, SwapStats, make_swapper
 from splitserve.engine.transfer_sink import TransferSink
 from splitserve.engine.warm_up import use_kernel_caches, warm_up_engine
@@ -54,27 +53,15 @@ from splitserve.sampling_params import MAX_SAMPLES, SamplingParams, sample_reque
 
 logger = logging.getLogger(__name__)
 
-HANDOFF = "handoff"  # finish reason of a prefill-only request whose decode continues elsewhere
+__all__ = ["HANDOFF", "LLMEngine", "RequestUpdate"]  # the step's types live in step_pipeline.py
 
 
-@dataclass
-class RequestUpdate:
-    """What one step did to one request: tokens appended (with logprobs) and whether it ended.
-
-    A snapshot taken when the step ran: other threads read it later, when the live `request`
-    may have moved on (more tokens, finished), so they must use these fields, not the request's.
-    `queue_s` is set on the first update after the request's arrival or admission only: the
-    seconds it waited before its first schedule.
-    """
-
-    request: Request
-    new_token_ids: list[int]
-    new_logprobs: list[dict[int, float]]
-    finished: bool = False
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    queue_s: float | None = None
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (local or imported)
+def async_scheduling(config: EngineConfig, device: torch.device) -> bool:
+    """Whether the engine queues each step before reading the last one's tokens: as configured, else
+    on a CUDA device (where the device runs while the host schedules) and not on a CPU."""
+    if config.async_scheduling is not None:
+        return config.async_scheduling
+    return device.type == "cuda"
 
 
 class LLMEngine:
@@ -155,6 +142,9 @@ class LLMEngine:
             self.max_model_len,
             tp,
         )
+        # a tensor-parallel engine's ranks follow one step at a time: no step queued ahead there
+        self.async_scheduling = async_scheduling(config, self.device) and tp.size == 1
+        self._steps = StepPipeline(self, overlap=self.async_scheduling)
         self.requests: dict[str, Request] = {}
         self._sinks: dict[str, ShardingSink] = {}  # reserved requests' state, written from any thread
         num_heads = self.model_config.linear_num_heads
@@ -623,80 +613,26 @@ class LLMEngine:
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        """Requests waiting or running, or a step whose tokens are not read yet (async scheduling)."""
+        return self.scheduler.has_unfinished or self._steps.in_flight
 
     def step(self) -> list[RequestUpdate]:
-        """Run one scheduled batch; return the requests that got tokens (finished ones included)."""
+        """Run one scheduled batch; return the requests that got tokens (finished ones included).
+
+        With async scheduling this queues the next step and returns the tokens of the one before
+        it (engine/step_pipeline.py): a request's tokens come one call later, the same tokens. The
+        ranks of a tensor-parallel engine step with it (always synchronously).
+        """
         if self.ranks is not None:
             self.ranks.send(Step())
-        output = self.scheduler.schedule()
-        if not output.scheduled:
-            return []
-        now = time.monotonic()
-        for s in output.scheduled:
-            if s.request.first_scheduled_s is None:
-                s.request.first_scheduled_s = now
-        result = self.runner.execute(output.scheduled)
+        return self._steps.step()
+
+    def relay_exports(self) -> None:
+        """Rank 0, after a step's forward: the KDA shares every rank exported in it, relayed in order."""
         if self.driver_exports is not None and (calls := self.driver_exports.take_calls()):
             assert self.ranks is not None  # rank 0 exported KDA shares: so did every rank, in order
             for rank in range(1, self.tp.size):
                 self.driver_exports.relay(calls, self.ranks.receive(rank), rank)
-        self.scheduler.postprocess(output, result.token_ids)
-        drawn = self._fork_samples(output.scheduled, result.token_ids)  # before any stop frees a prompt
-        updates = []
-        for request in [s.request for s in output.scheduled] + drawn:
-            token = result.token_ids.get(request.request_id)
-            if token is None:
-                continue
-            logprobs = result.logprobs.get(request.request_id)
-            if logprobs is not None:
-                request.output_logprobs.append(logprobs)
-            stop = check_stop(request, self.model_config.eos_token_ids, self.max_model_len)
-            if stop is None and request.prefill_only:
-                stop = (HANDOFF, None)
-            if stop is not None:
-                self.scheduler.finish(request, *stop)
-                self.requests.pop(request.request_id, None)
-            updates.append(
-                RequestUpdate(
-                    request,
-                    [token],
-                    [logprobs] if logprobs is not None else [],
-                    finished=request.finished,
-                    finish_reason=request.finish_reason,
-                    stop_reason=request.stop_reason,
-                    queue_s=request.take_queue_s(),
-                    num_cached_tokens=request.num_cached_tokens,
-                )
-            )
-        if self.replay is not None:  # after the stops: a finished request publishes nothing more
-            self.replay.after_step([s.request for s in output.scheduled])
-        return updates
-
-    def _fork_samples(self, scheduled: list[ScheduledRequest], token_ids: dict[str, int]) -> list[Request]:
-        """The samples that drew their first token this step from the prompt of one that was
-        scheduled: each takes its token and, unless that ended it (or it is prefill-only), a fork
-        of the prompt's state, or a place in the queue to compute it when there is no room."""
-        drawn = []
-        for s in scheduled:
-            parent, waiting = s.request, s.request.samples_to_fork
-            if not waiting or parent.request_id not in token_ids:
-                continue
-            parent.samples_to_fork = []
-            for sample in waiting:
-                if sample.finished:  # aborted while it waited
-                    continue
-                sample.output_token_ids.append(token_ids[sample.request_id])
-                sample.first_scheduled_s = parent.first_scheduled_s
-                drawn.append(sample)
-                if sample.prefill_only or check_stop(
-                    sample, self.model_config.eos_token_ids, self.max_model_len
-                ):
-                    continue  # ended below
-                if not self.forker.fork(parent, sample):
-                    sample.num_given_output_tokens = 1  # computed with the prompt, sampling goes on after it
-                    self.scheduler.add(sample)
-        return drawn
 
 
 def _model_config(config: EngineConfig) -> KimiLinearModelConfig:

@@ -16,6 +16,7 @@ from splitserve.engine.host_pack import HostPack, block_tables, long_tensor
 from splitserve.engine.host_staging import device_tensor, to_device
 from splitserve.engine.model.kimi_linear import KimiLinearForCausalLM, LayerCaches
 from splitserve.engine.parallel.group import SINGLE, TensorParallel
+from splitserve.engine.pending_inputs import PendingInputs
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from splitserve.engine.scheduler import ScheduledRequest
@@ -110,21 +111,27 @@ class ModelRunner:
                 self.graphs, self.padding = None, None
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest]) -> StepResult:
+    def execute(self, scheduled: list[ScheduledRequest], previous: StepResult | None = None) -> StepResult:
+        """Queue one step on the device and return its result, whose ids stay there until read.
+
+        `previous` is the last step's result: a decode row whose input token is one it sampled and
+        the host has not read (`Request.num_pending_tokens`, async scheduling) takes it on the device.
+        """
         singles = [s for s in scheduled if s.num_new_tokens == 1]
         multis = [s for s in scheduled if s.num_new_tokens > 1]
         ordered = singles + multis
         sampling = [s for s in ordered if s.samples]
         exporting = [s for s in ordered if s.request.export is not None]
+        pending = _pending_inputs(singles, previous)
         bucket = self.padding.bucket(len(singles)) if self.padding is not None and singles else None
         if bucket is not None and self.graphs is not None and not multis and not exporting:
-            hidden = self.graphs.run([s.request for s in singles], bucket)
+            hidden = self.graphs.run([s.request for s in singles], bucket, pending)
             if len(sampling) < len(singles):  # a one-token prompt chunk that is not its prompt's last
                 sample_rows = [i for i, s in enumerate(singles) if s.samples]
                 hidden = hidden[device_tensor(sample_rows, torch.long, self.device)]
         else:
             num_padding = 0 if bucket is None else bucket - len(singles)
-            batch = self.build_batch(singles, multis, num_padding)
+            batch = self.build_batch(singles, multis, num_padding, pending)
             batch.after_layer = self._exporter(exporting)
             hidden = self.model(batch, self.caches)
         if not sampling:
@@ -203,10 +210,15 @@ class ModelRunner:
         return logits if self.tp.size == 1 else self.tp.gather_last_dim(logits)
 
     def build_batch(
-        self, singles: list[ScheduledRequest], multis: list[ScheduledRequest], num_padding: int = 0
+        self,
+        singles: list[ScheduledRequest],
+        multis: list[ScheduledRequest],
+        num_padding: int = 0,
+        pending: PendingInputs | None = None,
     ) -> ForwardBatch:
         """The flat batch: `singles`, then `num_padding` padding rows (token 0 at position 0 on the
-        scratch KV row and state slot; they sample nothing), then `multis`.
+        scratch KV row and state slot; they sample nothing), then `multis`. `pending` names the single
+        rows whose input id is the last step's sample, taken on the device.
 
         Host work is per row, not per token (a prompt chunk's ids are one list slice, its KV rows
         one vectorised lookup), and every index goes to the device in one copy (`HostPack`); the
@@ -238,8 +250,11 @@ class ModelRunner:
         )
         single = self._group(rows, 0, pack, counts) if rows else None
         multi = self._group(multi_rows, len(rows), pack) if multi_rows else None
+        pending_ids = None if pending is None else pending.queue(pack)
         pack.to(self.device)
         batch = ForwardBatch(*(pack.get(i) for i in flat), single=None, multi=None)
+        if pending is not None and pending_ids is not None:
+            pending.fill(pack, pending_ids, batch.input_ids)
         batch.single = single.build(pack) if single is not None else None
         batch.multi = multi.build(pack) if multi is not None else None
         return batch
@@ -282,7 +297,10 @@ class ModelRunner:
 
 
 def _sampling_rows(drawing: list[tuple[int, Request]]) -> list[SamplingRow]:
-    return [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids) for _, r in drawing]
+    return [
+        SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.num_pending_tokens)
+        for _, r in drawing
+    ]
 
 
 def _drawn_logits(
@@ -293,6 +311,23 @@ def _drawn_logits(
     if len(drawing) == num_sampling:
         return logits
     return logits[device_tensor([i for i, _ in drawing], torch.long, logits.device)]
+
+
+def _pending_inputs(singles: list[ScheduledRequest], previous: StepResult | None) -> PendingInputs | None:
+    """The single rows whose input token the last step sampled and the host has not read yet."""
+    rows, sources = [], []
+    for i, s in enumerate(singles):
+        request = s.request
+        if request.num_computed_tokens >= request.num_known_tokens:
+            assert previous is not None and request.request_id in previous.rows, (
+                f"{request.request_id}'s input token is pending but the last step did not sample it"
+            )
+            rows.append(i)
+            sources.append(previous.rows[request.request_id])
+    if not rows:
+        return None
+    assert previous is not None and previous.sampled is not None
+    return PendingInputs(rows, sources, previous.sampled)
 
 
 @dataclass
@@ -347,8 +382,9 @@ class _Row:
     samples: bool
 
     def token_ids(self) -> list[int]:
-        """The ids of the row's new tokens (0 for a padding row)."""
-        if self.request is None:
+        """The ids of the row's new tokens (0 for a padding row, and for a decode row whose token is
+        still on the device: `PendingInputs` writes it there)."""
+        if self.request is None or self.num_computed >= self.request.num_known_tokens:
             return [0] * self.num_new
         return self.request.token_ids(self.num_computed, self.num_computed + self.num_new)
 

@@ -69,6 +69,16 @@ class ReplayPublish:
         return any(p.checkpoint is not None for p in self.kda)
 
 
+@dataclass
+class PendingPublish:
+    """A publish copied after its step was queued, handed on once that step's tokens are read
+    (async scheduling reads them a step later: the request may have stopped by then)."""
+
+    request: Request
+    publish: ReplayPublish
+    checkpoint_at: int
+
+
 # Returns False when it could not take the publish (its queue is full): the next publish of that
 # request then starts where the last one it took ended, as a checkpoint (it cannot extend records
 # the listener never kept), so the pieces it keeps still chain without a gap.
@@ -91,15 +101,39 @@ class ReplayPublisher:
 
     def after_step(self, requests: list[Request]) -> None:
         """Publish every unfinished request among `requests` (this step's) whose slot folded a
-        full window; forget the finished ones."""
+        full window; forget the finished ones (`collect` and `deliver` at once)."""
+        self.deliver(requests, self.collect(requests))
+
+    def collect(self, requests: list[Request]) -> list[PendingPublish]:
+        """Right after a step is queued, before the next (whose records overwrite the window's):
+        copies of what each request among `requests` not finished by now publishes for the windows
+        the step folded. `deliver` hands them on once the step's tokens are read."""
         folded = self.ring.take_folds()
+        if not folded or self.listener is None:
+            return []
+        collected = []
+        for req in requests:
+            if not (req.finished or req.prefill_only) and req.state_slot in folded:
+                publish, checkpoint_at = self._publish(req)
+                collected.append(PendingPublish(req, publish, checkpoint_at))
+        return collected
+
+    def deliver(self, requests: list[Request], collected: list[PendingPublish]) -> None:
+        """The step's tokens are read and its stops applied: forget the finished requests among
+        `requests`, hand the listener the publishes of the others."""
         for req in requests:
             if req.finished or req.prefill_only:
                 self._published_to.pop(req.request_id, None)
-            elif folded and req.state_slot in folded and self.listener is not None:
-                publish, checkpoint_at = self._publish(req)
-                if self.listener(publish) is not False:
-                    self._published_to[req.request_id] = (req.arrival, publish.num_tokens, checkpoint_at)
+        for pending in collected:
+            req = pending.request
+            if req.finished or self.listener is None:
+                continue
+            if self.listener(pending.publish) is not False:
+                self._published_to[req.request_id] = (
+                    req.arrival,
+                    pending.publish.num_tokens,
+                    pending.checkpoint_at,
+                )
 
     def records_fit(self, num_tokens: int) -> bool:
         """Whether records of `num_tokens` tokens (`n x H x (2 Dk + Dv)` per layer) cost no more

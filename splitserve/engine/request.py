@@ -39,6 +39,10 @@ class Request:
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
+    # async scheduling: output tokens sampled on the device whose ids the host has not read yet (at
+    # most two: the last step's, and the one queued after it). They count in `num_tokens`, so the
+    # next decode is scheduled before they are known; `output_token_ids` gets each when it is read.
+    num_pending_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     state_slot: int | None = None
     num_preemptions: int = 0
@@ -89,7 +93,18 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens so far, the pending ones included (`num_known_tokens` without them)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt and output tokens whose ids the host has."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens so far, the pending ones included."""
+        return len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -105,7 +120,8 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_ids(self, start: int, stop: int) -> list[int]:
-        """Tokens `start..stop` of prompt + outputs, as list slices (no per-token work)."""
+        """Tokens `start..stop` of prompt + outputs, as list slices (no per-token work); known ones
+        only (`stop <= num_known_tokens`)."""
         n = len(self.prompt_token_ids)
         if stop <= n:
             return self.prompt_token_ids[start:stop]

@@ -178,7 +178,7 @@ class Sampler:
         params = [row.params for row in rows]
         wants_logprobs = any(p.logprobs is not None for p in params)
         stop_masks = self._stop_masks(rows)
-        penalized = any(_has_penalty(p) for p in params)
+        penalized = any(has_penalty(p) for p in params)
         if all(_is_greedy(p) for p in params) and not (wants_logprobs or stop_masks[0] or penalized):
             return SamplerOutput(logits.argmax(dim=-1))
         if stop_masks[0] or penalized:  # changed in place: our own contiguous fp32 copy
@@ -227,7 +227,7 @@ class Sampler:
         apply_penalties(
             x,
             [row.prompt_token_ids if p.repetition_penalty != 1.0 else () for row, p in zip(rows, params)],
-            [row.output_token_ids if _has_penalty(p) else () for row, p in zip(rows, params)],
+            [row.output_token_ids if has_penalty(p) else () for row, p in zip(rows, params)],
             [p.repetition_penalty for p in params],
             [p.frequency_penalty for p in params],
             [p.presence_penalty for p in params],
@@ -357,5 +357,6 @@ def _is_cut(p: SamplingParams) -> bool:
     return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
 
 
-def _has_penalty(p: SamplingParams) -> bool:
+def has_penalty(p: SamplingParams) -> bool:
+    """Whether a row's logits depend on its output ids (repetition, frequency, presence penalties)."""
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0

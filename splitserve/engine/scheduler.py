@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from splitserve.engine.cache_pool import BlockAllocator, SlotAllocator
 from splitserve.engine.request import Request, RequestStatus
+from splitserve.engine.stopping import ends_with_pending
 
 if TYPE_CHECKING:
     from splitserve.engine.prefix_cache.cache import PrefixCache
@@ -84,6 +85,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     @property
+    def has_next_step(self) -> bool:
+        """Whether a next step would have anything to compute, however the pending tokens turn out."""
+        return bool(self.waiting) or any(
+            not ends_with_pending(r, self.config.max_model_len) for r in self.running
+        )
+
+    @property
     def num_seqs(self) -> int:
         """Requests running or reserved, with the samples a reservation holds room for."""
         return len(self.running) + sum(1 + len(r.fork_slots) for r in self.reserved.values())
@@ -97,6 +105,8 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if ends_with_pending(request, self.config.max_model_len):
+                continue  # its last step's token ends it, whichever it is: nothing more to compute
             num_new = self._chunk_len(request, budget)
             while not self.reserve_blocks(request, num_new):
                 victim = self.running[-1]
@@ -109,8 +119,8 @@ class Scheduler:
                 budget -= num_new
         while self.waiting and budget > 0 and not preempted and self.num_seqs < self.config.max_num_seqs:
             request = self.waiting[0]
-            if self.slots.num_free_slots == 0:
-                break
+            if self.slots.num_free_slots == 0 or request.num_pending_tokens:
+                break  # (a request preempted while its last token was pending: recomputed once it is known)
             request.state_slot = self.slots.allocate()
             swapped = request.request_id in self.swapped  # it resumes at its computed tokens
             if self.prefix_cache is not None and not swapped:
@@ -242,12 +252,34 @@ class Scheduler:
             self.slots.free(slot)
         request.fork_blocks, request.fork_slots = [], []
 
-    def postprocess(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
-        """Advance every scheduled request past its chunk and append its sampled token."""
+    def advance(self, output: SchedulerOutput) -> list[Request]:
+        """A step is queued: every scheduled request moves past its chunk, and each whose chunk
+        samples holds one pending token until `take_token`. Returns those (in order)."""
+        sampling = [s.request for s in output.scheduled if s.samples]
         for s in output.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
-            token = sampled.get(s.request.request_id)
-            if token is not None:
-                s.request.output_token_ids.append(token)
+        for request in sampling:
+            request.num_pending_tokens += 1
+        return sampling
+
+    def after_step(self, output: SchedulerOutput) -> None:
+        """Once the step's inputs are all known on the host (the last step's tokens taken): the
+        prefix cache indexes the units it completed and takes the snapshots it reached."""
         if self.prefix_cache is not None:
             self.prefix_cache.after_step([s.request for s in output.scheduled])
+
+    @staticmethod
+    def take_token(request: Request, token_id: int) -> None:
+        """The oldest pending token of `request` is read: it becomes an output token."""
+        request.num_pending_tokens -= 1
+        request.output_token_ids.append(token_id)
+
+    def postprocess(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
+        """`advance`, `after_step` and `take_token` at once (a step run synchronously)."""
+        for request in self.advance(output):
+            token = sampled.get(request.request_id)
+            if token is None:
+                request.num_pending_tokens -= 1  # nothing sampled for it after all
+            else:
+                self.take_token(request, token)
+        self.after_step(output)

@@ -1,4 +1,5 @@
-"""When a request stops: EOS, a stop token, `max_tokens`, or the context limit (vLLM's rules)."""
+"""When a request stops: EOS, a stop token, `max_tokens`, or the context limit (vLLM's rules); and,
+for async scheduling, when tokens not yet read already end it."""
 
 from __future__ import annotations
 
@@ -19,6 +20,19 @@ def check_stop(
             return "stop", None
         if last in params.stop_token_ids:
             return "stop", last
-    if num_out >= request.max_tokens or request.num_tokens >= max_model_len:
+    if num_out >= request.max_tokens or request.num_prompt_tokens + num_out >= max_model_len:
         return "length", None
     return None
+
+
+def ends_with_pending(request: Request, max_model_len: int) -> bool:
+    """Whether the request's pending tokens (sampled, ids not read yet) end it whatever they are:
+    the last one reaches `max_tokens` or the context limit, or it is prefill-only (it ends after its
+    first token). Such a request needs no next step."""
+    if not request.num_pending_tokens:
+        return False
+    return (
+        request.prefill_only
+        or request.num_output_tokens >= request.max_tokens
+        or request.num_tokens >= max_model_len
+    )

@@ -54,9 +54,9 @@ def test_graph_replay_gives_the_eager_tokens_at_every_batch_size(tiny_model_path
     replays: list[int] = []
     run = graphs.run
 
-    def counting(requests, size):  # type: ignore[no-untyped-def]
+    def counting(requests, size, *rest):  # type: ignore[no-untyped-def]
         replays.append(len(requests))
-        return run(requests, size)
+        return run(requests, size, *rest)
 
     graphs.run = counting  # type: ignore[method-assign]
     for num in range(1, MAX_NUM_SEQS + 1):

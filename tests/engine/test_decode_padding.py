@@ -16,6 +16,7 @@ from splitserve import LLM, SamplingParams
 from splitserve.engine.cuda_graph import DecodeGraphs
 from splitserve.engine.model_config import KimiLinearModelConfig
 from splitserve.engine.request import Request
+from tests.engine.eager_graphs import EagerGraphs
 from tests.oracle import check_logprobs_close, engine_traces
 
 NUM_NEW_TOKENS = 14
@@ -76,11 +77,11 @@ class _PaddingCounter:
         runner = llm.engine.runner
         build = runner.build_batch
 
-        def counting(singles, multis, num_padding=0):  # type: ignore[no-untyped-def]
+        def counting(singles, multis, num_padding=0, *rest):  # type: ignore[no-untyped-def]
             if num_padding:
                 self.padded += 1
                 self.padded_mixed += bool(multis)
-            return build(singles, multis, num_padding)
+            return build(singles, multis, num_padding, *rest)
 
         runner.build_batch = counting  # type: ignore[method-assign]
 
@@ -148,37 +149,13 @@ def test_padding_rows_write_only_the_scratch_row_and_slot(tiny_model_path, promp
     assert all(t[padding.scratch_slot].abs().sum() > 0 for t in caches.kda_recurrent.values())
 
 
-class _EagerGraphs(DecodeGraphs):
-    """The graph runner without capture: each `run` loads the static buffers and calls the forward a
-    graph records, so the CPU checks everything a replay computes except the replay itself."""
-
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(*args, **kwargs)
-        self.num_runs = 0
-
-    def run(self, requests, size):  # type: ignore[no-untyped-def]
-        self.num_runs += 1
-        self.load(requests, size)
-        return self.forward(size)[: len(requests)]
-
-
 @pytest.mark.parametrize("replay_window", [0, 4])
 @pytest.mark.parametrize("mixed", [False, True])
 def test_graph_runner_forward_gives_the_unpadded_tokens(
     tiny_model_path, prompts, unpadded, mixed, replay_window
 ):
     llm = LLM(model=str(tiny_model_path), pad_decode_batches=True, **_engine_kwargs(replay_window, mixed))
-    engine = llm.engine
-    assert engine.padding is not None
-    graphs = _EagerGraphs(
-        engine.model,
-        engine.caches,
-        engine.padding,
-        engine.config.block_size,
-        engine.max_model_len,
-        engine.device,
-    )
-    engine.runner.graphs = graphs
+    graphs = EagerGraphs.install(llm.engine)
     outs = _generate(llm, prompts, arrivals=mixed)
     _check_same(outs, unpadded(replay_window, mixed))
     assert graphs.num_runs > 0

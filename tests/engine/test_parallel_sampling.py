@@ -50,9 +50,9 @@ def _count_step(engine: LLMEngine) -> int:
     counted: list[int] = []
     execute = engine.runner.execute
 
-    def counting(scheduled):  # type: ignore[no-untyped-def]
+    def counting(scheduled, *rest):  # type: ignore[no-untyped-def]
         counted.append(sum(s.num_new_tokens for s in scheduled))
-        return execute(scheduled)
+        return execute(scheduled, *rest)
 
     engine.runner.execute = counting  # type: ignore[method-assign]
     try:

@@ -79,10 +79,10 @@ class Counted:
         self.restarted: set[str] = set()
         execute, restart = engine.runner.execute, engine.scheduler._restart
 
-        def counted_execute(scheduled):  # type: ignore[no-untyped-def]
+        def counted_execute(scheduled, *rest):  # type: ignore[no-untyped-def]
             for s in scheduled:
                 self.tokens[s.request.request_id] += s.num_new_tokens
-            return execute(scheduled)
+            return execute(scheduled, *rest)
 
         def counted_restart(request):  # type: ignore[no-untyped-def]
             self.restarted.add(request.request_id)
