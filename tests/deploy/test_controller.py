@@ -1,4 +1,10 @@
-"""The controller with fake actors: placement, start order, status, restarts, resize, stop."""
+"""The controller: placement, start order, status, restarts, resize, stop.
+
+Most tests run it on fake actors (tests/deploy/fakes.py: no model, no engine, no store; each
+records what the controller did to it), so they check the controller's bookkeeping, not the
+workers'. The last tests start the real store and workers (`test_real_...`, the gateway still
+fake) and a fully real deployment. A real deployment resized under traffic:
+tests/faults/test_churn.py."""
 
 from __future__ import annotations
 
@@ -156,11 +162,13 @@ def test_restarts_older_than_the_window_no_longer_count(registry):
             assert worker["restarts"] == restart and not worker["given_up"]
 
 
-def test_resize_up_reserves_a_group_and_down_tells_the_gateway_before_stopping_with_the_drain_timeout(
+def test_resize_of_fake_workers_reserves_a_group_up_and_down_tells_the_gateway_before_stopping(
     cluster, registry
 ):
-    """With fakes: what the controller does and in which order (the fakes hold no requests, so
-    what a drain keeps from failing is tests/deploy/test_apply_under_load.py's to show)."""
+    """Fake workers: the controller's side of a resize and in which order (a placement group per
+    replica, the gateway told the new addresses, the removed actor shut down with the drain
+    timeout, the refusals). The fakes hold no requests: that real workers serve through a resize
+    is tests/faults/test_churn.py's and tests/deploy/test_apply_under_load.py's to show."""
     status = cluster.resize("prefill", 2)
     pool = status["pools"]["prefill"]
     assert pool["replicas"] == 2 and pool["num_healthy"] == 2 and len(set(pool["addresses"])) == 2
@@ -273,7 +281,9 @@ def test_resources_held_by_others_are_waited_for_then_the_placement_times_out_na
     assert live_groups() == []
 
 
-def test_resize_beyond_the_cluster_fails_at_once_and_changes_nothing(cluster, registry):
+def test_resize_of_fake_workers_beyond_the_cluster_fails_at_once_and_changes_nothing(cluster, registry):
+    """Fake workers taking the real bundles: the refusal is the controller's placement check,
+    made before any actor starts, so no worker (fake or real) is touched."""
     # 1.5 of the 2 CPUs are taken (prefill, decode 0.5 each, store, gateway 0.25 each).
     message = (
         r"pool 'prefill': cannot reserve 2 x \{'CPU': 0.5\} \(PACK\): they need CPU 1, and the Ray "

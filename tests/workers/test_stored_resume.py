@@ -1,17 +1,30 @@
 """Decode failover from stored state, the workers' side over real gRPC: a decode worker with
 `replay_window` keeps the request's prompt state and publishes a ReplaySSM piece every window to
-its node's store; when it is lost mid-stream (its process gone: nothing released), another decode
+its node's store; when its process is SIGKILLed mid-stream (nothing released), another decode
 worker given `resume_from` rebuilds the state from the store, recomputes fewer than a window of
 the tokens sent, and continues with exactly the offline engine's tokens (greedy and seeded). A
 corrupt piece answers DATA_LOSS and a released state NOT_FOUND (the gateway then re-prefills);
-a request that ends normally leaves nothing in the store."""
+a request that ends normally leaves nothing in the store.
+
+The worker killed runs in a process of its own (`_decode_process`), its engine held still once
+the request has NUM_BEFORE_LOSS tokens, so the kill lands mid-stream at a known token. The
+tests that inspect the lost worker's publisher (a corrupt piece, a released state, a long
+decode) run it in this process and cut its stream instead, its publisher told to release
+nothing, as a dead process would not."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import multiprocessing
+import os
+import signal
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import grpc
@@ -22,6 +35,7 @@ from decode_worker.stored_resume import read_stored_state
 from prefill_worker.actor import PrefillWorkerActor
 from splitserve import LLM, SamplingParams
 from splitserve.engine.replay_codec import kda_key, piece_key
+from splitserve.engine_config import EngineConfig
 from splitserve.rpc import make_channel
 from splitserve.state import Chunk, ChunkMeta, StateKind, checksum
 from splitserve.state.client import StateStoreClient
@@ -34,8 +48,11 @@ from state_store.store import StateStore
 WINDOW = 4
 PROMPT = list(range(11, 80))
 NUM_TOKENS = 24
-LOST: set[str] = set()  # request ids whose worker a is "dead"
+LOST: set[str] = set()  # request ids whose worker a (in this process) is "dead"
 NUM_BEFORE_LOSS = 11  # tokens the lost worker sent: 2 pieces (8 tokens) stored, 3 sent after
+KILLED = "killed-worker"  # the worker id of the decode worker process a test kills
+START_S = 120.0  # a guard on a worker process's start (it imports torch, loads the model)
+WAIT_S = 30.0  # a guard against a hang, not a latency bound
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=33, max_tokens=NUM_TOKENS, ignore_eos=True)
 PARAMS = {"greedy": GREEDY, "seeded": SEEDED}
@@ -80,17 +97,50 @@ def workers(engine_config, store_server) -> Iterator[dict[str, Any]]:
         worker.shutdown()
 
 
+def _serve_store(conn: Connection) -> None:
+    """A store process (`other_store`): sends its address on `conn`, serves until SIGTERMed,
+    then stops and frees its arena."""
+    store = StateStore.from_config(StoreConfig(memory_bytes=64 << 20))
+    server = StateStoreServer(store, "127.0.0.1", 0)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # wakes pause(): a clean stop
+    conn.send(server.address)
+    signal.pause()
+    server.stop(grace_s=0)
+    store.close()
+
+
 @pytest.fixture(scope="module")
-def one_hop(engine_config, store_server) -> Iterator[tuple[dict[str, Any], StateStore, str]]:
-    """The prefill on another node: its own store (the other), the decode workers on store_server."""
-    other = StateStore.from_config(StoreConfig(memory_bytes=64 << 20))
-    server = StateStoreServer(other, "127.0.0.1", 0)
-    workers = _start(engine_config, server.address, store_server[1])
-    yield workers, other, server.address
+def other_store() -> Iterator[str]:
+    """The prefill's node store, in a process of its own; its address."""
+    context = multiprocessing.get_context("spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=_serve_store, args=(sender,), daemon=True)
+    process.start()
+    try:
+        assert receiver.poll(START_S), f"the store process did not start ({process.exitcode})"
+        yield receiver.recv()
+    finally:
+        process.terminate()
+        process.join(START_S)
+        if process.is_alive():
+            process.kill()
+            process.join(START_S)
+
+
+@pytest.fixture(scope="module")
+def one_hop(engine_config, store_server, other_store) -> Iterator[dict[str, Any]]:
+    """A prefill worker writing into `other_store`, decode worker b on store_server (the decode
+    worker a test kills, `_decode_process`, too)."""
+    workers: dict[str, Any] = {
+        "prefill": PrefillWorkerActor(engine_config, other_store),
+        "b": DecodeWorkerActor(engine_config.replace(replay_window=WINDOW), store_server[1]),
+    }
+    for name, worker in workers.items():
+        worker.worker_id = f"{name}-one-hop"  # one process: the default ids (host, pid) would be equal
+        worker.start("127.0.0.1", 0)
+    yield workers
     for worker in workers.values():
         worker.shutdown()
-    server.stop(grace_s=0)
-    other.close()
 
 
 def _store(store_server) -> StateStoreClient:
@@ -100,14 +150,34 @@ def _store(store_server) -> StateStoreClient:
 def _lose_after(
     workers, rid: str, params: SamplingParams, num_sent: int, source: str = ""
 ) -> tuple[list[int], decode_pb2.ResumeFrom]:
-    """Decode `rid` on worker a until `num_sent` tokens came, then lose a as a dead process would
-    (its stream broken, nothing it keeps released); (tokens sent, where a kept the state). With
-    `source`, the prefill's state is reserved in that store (one hop from another node)."""
+    """Decode `rid` on worker a (in this process) until `num_sent` tokens came, then lose a as a
+    dead process would (its stream cut, nothing it keeps released); (tokens sent, where a kept
+    the state). With `source`, the prefill's state is reserved in that store (one hop)."""
     a = workers["a"]
+
+    def cut(stream: Any, where: decode_pb2.ResumeFrom) -> None:
+        assert a.replay_publisher is not None and a.replay_publisher.wait_idle(30)
+        LOST.add(rid)
+        stream.cancel()
+
+    return _decode_until(workers["prefill"].address, a.address, rid, params, num_sent, cut, source)
+
+
+def _decode_until(
+    prefill: str,
+    decode: str,
+    rid: str,
+    params: SamplingParams,
+    num_sent: int,
+    lose: Callable[[Any, decode_pb2.ResumeFrom], None],
+    source: str = "",
+) -> tuple[list[int], decode_pb2.ResumeFrom]:
+    """Reserve on `decode`, prefill on `prefill`, read the stream until `num_sent` tokens came,
+    then `lose(stream, where the decode worker keeps the state)`; (tokens sent, that place)."""
     sp = sampling_params_to_proto(params)
-    with make_channel(workers["prefill"].address) as pc, make_channel(a.address) as dc:
-        decode = decode_pb2_grpc.DecodeStub(dc)
-        reserved = decode.Reserve(
+    with make_channel(prefill) as pc, make_channel(decode) as dc:
+        stub = decode_pb2_grpc.DecodeStub(dc)
+        reserved = stub.Reserve(
             decode_pb2.ReserveRequest(
                 request_id=rid, num_prompt_tokens=len(PROMPT), timeout_s=30, source_store_address=source
             ),
@@ -118,7 +188,7 @@ def _lose_after(
             prefill_request(rid, PROMPT, sp, reserved), timeout=60
         )
         sent = [first.first_token_id]
-        stream = decode.Decode(decode_request(rid, PROMPT, sp, first), timeout=60)
+        stream = stub.Decode(decode_request(rid, PROMPT, sp, first), timeout=60)
         where = None
         for delta in stream:
             if delta.HasField("resume_from"):
@@ -129,10 +199,78 @@ def _lose_after(
         assert where is not None and where.state_key == reserved.state_key, (
             "no resume_from on the first delta"
         )
-        assert a.replay_publisher is not None and a.replay_publisher.wait_idle(30)
-        LOST.add(rid)
-        stream.cancel()
+        lose(stream, where)
     return sent[:num_sent], where
+
+
+def _serve_decode(config: EngineConfig, store_address: str, stall_at: int, conn: Connection) -> None:
+    """A decode worker process (`_decode_process`): sends its address on `conn`, then serves
+    until killed. Its engine thread stops for good once a request has `stall_at` tokens (what
+    it publishes still reaches the store), so the request is mid-stream when the kill comes."""
+    worker = DecodeWorkerActor(config, store_address)
+    worker.worker_id = KILLED
+    address = worker.start("127.0.0.1", 0)
+
+    def stall(engine: Any) -> None:  # an observer runs on the engine thread after each step
+        if any(len(request.output_token_ids) >= stall_at for request in engine.requests.values()):
+            threading.Event().wait()
+
+    worker.loop.observe(stall).result(timeout=START_S)
+    conn.send(address)
+    signal.pause()
+
+
+@contextmanager
+def _decode_process(engine_config, store_address: str) -> Iterator[tuple[str, BaseProcess]]:
+    """Decode worker KILLED in a process of its own, publishing every WINDOW tokens to the store at
+    `store_address`, its engine held after NUM_BEFORE_LOSS tokens; (its address, the process),
+    which is ended here if the test did not kill it."""
+    context = multiprocessing.get_context("spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    config = engine_config.replace(replay_window=WINDOW)
+    process = context.Process(
+        target=_serve_decode, args=(config, store_address, NUM_BEFORE_LOSS, sender), daemon=True
+    )
+    process.start()
+    try:
+        assert receiver.poll(START_S), f"the decode worker process did not start ({process.exitcode})"
+        yield receiver.recv(), process
+    finally:
+        if process.is_alive():
+            process.kill()
+        process.join(START_S)
+
+
+def _kill_after(
+    workers, decode: tuple[str, BaseProcess], store_address: str, rid: str, params: SamplingParams, source=""
+) -> tuple[list[int], decode_pb2.ResumeFrom]:
+    """Decode `rid` on the decode worker process `decode` until it holds (NUM_BEFORE_LOSS tokens
+    sent) and its second piece is in the store at `store_address`, then SIGKILL it: its stream
+    breaks, nothing it keeps is released. (Tokens sent, where it kept the state.)"""
+    address, process = decode
+    n = len(PROMPT)
+
+    def kill(stream: Any, where: decode_pb2.ResumeFrom) -> None:
+        with StateStoreClient(store_address, timeout_s=10) as client:  # its second piece, whole
+            _wait_sealed(
+                client, [piece_key(where.state_key, n + WINDOW), kda_key(where.state_key, n + WINDOW)]
+            )
+        os.kill(process.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        process.join(START_S)
+        assert process.exitcode == -signal.SIGKILL
+        with pytest.raises(grpc.RpcError) as broken:
+            next(stream)
+        assert broken.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+    return _decode_until(workers["prefill"].address, address, rid, params, NUM_BEFORE_LOSS, kill, source)
+
+
+def _wait_sealed(client: StateStoreClient, keys: list[str]) -> None:
+    """Until every one of `keys` is in the store, sealed."""
+    deadline_s = time.monotonic() + WAIT_S
+    while not all((info := client.lookup(key)) is not None and info.sealed for key in keys):
+        assert time.monotonic() < deadline_s, f"{keys} were not all stored within {WAIT_S:g} s"
+        time.sleep(0.01)
 
 
 def _resume_on_b(
@@ -150,9 +288,12 @@ def _resume_on_b(
 
 
 @pytest.mark.parametrize("kind", sorted(PARAMS))
-def test_a_lost_decode_resumes_from_stored_state_exactly(workers, store_server, offline, kind):
+def test_a_decode_worker_killed_mid_stream_is_resumed_from_stored_state_exactly(
+    workers, store_server, engine_config, offline, kind
+):
     rid = f"stored-{kind}"
-    sent, where = _lose_after(workers, rid, PARAMS[kind], NUM_BEFORE_LOSS)
+    with _decode_process(engine_config, store_server[1]) as killed:
+        sent, where = _kill_after(workers, killed, store_server[1], rid, PARAMS[kind])
     assert sent == offline[kind][: len(sent)]
     with _store(store_server) as client:  # what b will find: the pieces reach within a window
         found = read_stored_state(client, where.state_key, rid, len(PROMPT), len(sent), 10)
@@ -163,8 +304,7 @@ def test_a_lost_decode_resumes_from_stored_state_exactly(workers, store_server, 
     assert FINISH_FROM_PROTO[deltas[-1].finish_reason] == "length"
     assert deltas[-1].num_generated_tokens == NUM_TOKENS
     assert deltas[0].resume_from.state_key == f"{workers['b'].worker_id}/{rid}"  # b keeps it now
-    _end_on_a(workers, rid)  # pieces a wrote after b looked (it decoded on until the cancel)
-    _assert_store_empty(workers, store_server)
+    _assert_store_empty(workers, store_server)  # what the killed worker kept, b released
 
 
 def test_a_corrupt_piece_is_data_loss(workers, store_server, offline):
@@ -278,28 +418,34 @@ def test_a_long_decode_keeps_bounded_kda_state_and_resumes_exactly(
 
 
 @pytest.mark.parametrize("kind", sorted(PARAMS))
-def test_a_prompt_state_from_another_nodes_store_is_kept_here_for_failover(
-    one_hop, store_server, offline, kind
+def test_a_killed_decode_worker_resumes_from_its_copy_of_the_prefill_stores_state(
+    one_hop, other_store, store_server, engine_config, offline, kind
 ):
-    """One hop: the decode read the prompt state from the prefill's node store (which frees it
-    once read), so worker a keeps a copy in its own node's store; b resumes from there exactly."""
-    workers, other, other_address = one_hop
+    """One hop: the decode worker read the prompt state from the prefill's node store (a store
+    process of its own, which a decode worker reads as another node's: over gRPC, not shared
+    memory; it frees the state once read), so the decode worker keeps a copy in its own node's
+    store. SIGKILLed mid-stream, b resumes from that copy exactly. (The one hop across two
+    real nodes, without failover: tests/deploy/test_multinode_real.py.)"""
     rid = f"one-hop-{kind}"
-    sent, where = _lose_after(workers, rid, PARAMS[kind], NUM_BEFORE_LOSS, source=other_address)
-    assert where.store_address == store_server[1]  # a's node store, not the prefill's
+    with _decode_process(engine_config, store_server[1]) as killed:
+        sent, where = _kill_after(one_hop, killed, store_server[1], rid, PARAMS[kind], source=other_store)
+    assert where.store_address == store_server[1]  # the killed worker's node store, not the prefill's
     with _store(store_server) as client:
         found = read_stored_state(client, where.state_key, rid, len(PROMPT), len(sent), 10)
         assert found.num_pieces >= 2
-    deltas = _resume_on_b(workers, rid, PARAMS[kind], sent, where)
+    deltas = _resume_on_b(one_hop, rid, PARAMS[kind], sent, where)
     assert sent + [t for d in deltas for t in d.token_ids] == offline[kind]
-    _end_on_a(workers, rid)
-    _assert_store_empty(workers, store_server)
-    assert other.stats().num_keys - other.stats().num_prefix_keys == 0  # the original, released
+    _assert_store_empty(one_hop, store_server)
+    with StateStoreClient(other_store, timeout_s=10) as client:
+        stats = client.stats()
+    assert stats.num_keys - stats.num_prefix_keys == 0  # the original, released once read
 
 
 def _copy(client: StateStoreClient, key: str, to: str) -> None:
     """A copy of `key` under `to` (owner "test")."""
-    chunks = [Chunk(dataclasses.replace(c.meta, key=to), bytes(c.data)) for c in client.get(key, timeout_s=10)]
+    chunks = [
+        Chunk(dataclasses.replace(c.meta, key=to), bytes(c.data)) for c in client.get(key, timeout_s=10)
+    ]
     client.put(chunks, owner="test", seal=True)
 
 
@@ -321,6 +467,8 @@ def _end_on_a(workers, rid: str) -> None:
 def _assert_store_empty(workers, store_server) -> None:
     """Every key a request held is released once it ended (the lost worker's by the resumer)."""
     for name in ("a", "b"):
+        if name not in workers:
+            continue
         publisher = workers[name].replay_publisher
         assert publisher is not None and publisher.wait_idle(30)
     store, _ = store_server
