@@ -16,6 +16,7 @@ to its heads. A width-1 engine reading a TP prefill's pieces assembles its (ever
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,15 +52,7 @@ def with_heads(state: LayerState, heads: HeadRange) -> LayerState:
     """`state` naming `heads` (a KDA piece a rank of a wider engine extracted); MLA rows unchanged."""
     if state.kind is StateKind.MLA_KV or state.heads is not None:
         return state
-    return LayerState(
-        state.layer_id,
-        state.kind,
-        state.tensor,
-        state.token_start,
-        state.token_end,
-        state.num_prompt_tokens,
-        heads,
-    )
+    return dataclasses.replace(state, heads=heads)
 
 
 class DriverExports:

@@ -15,6 +15,7 @@ at another takes, from each piece whose heads overlap its own, exactly the overl
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 import torch
@@ -122,12 +123,4 @@ def assemble(pieces: Iterable[LayerState], want: HeadRange) -> LayerState:
 def _with_heads(state: LayerState, heads: HeadRange) -> LayerState:
     """`state` naming `heads`, or no range when they are every head."""
     whole = heads.start == 0 and heads.end == heads.num_heads
-    return LayerState(
-        state.layer_id,
-        state.kind,
-        state.tensor,
-        state.token_start,
-        state.token_end,
-        state.num_prompt_tokens,
-        None if whole else heads,
-    )
+    return dataclasses.replace(state, heads=None if whole else heads)
