@@ -61,9 +61,15 @@ def test_a_lost_nodes_decode_worker_comes_back_on_a_spare_node_beside_its_store(
         def moved() -> dict[str, Any] | None:
             status = cluster.status()
             row = _decode(status)
-            return status if row["healthy"] and row["node_id"] == spare.node_id else None
+            nodes = {store["node_id"] for store in status["stores"]}  # the lost store goes on a later pass
+            settled = lost.node_id not in nodes and spare.node_id in nodes
+            return status if row["healthy"] and row["node_id"] == spare.node_id and settled else None
 
-        status = wait_until(moved, timeout_s=120, what="the decode worker healthy on the spare node")
+        status = wait_until(
+            moved,
+            timeout_s=120,
+            what="the decode worker healthy on the spare node, and the stores moved with it",
+        )
         assert _decode(status)["restarts"] >= 1
         stores = {row["node_id"]: row["address"] for row in status["stores"]}
         assert lost.node_id not in stores and spare.node_id in stores, status["stores"]
