@@ -1,7 +1,7 @@
 """A tensor-parallel pool on GPUs, on a local Ray that counts 4 logical GPUs (Ray assigns them as it
 would real ones; no engine runs here): the controller reserves one GPU bundle per rank and hands the
 worker the bundles of its other ranks, and rank actors started in those bundles are each shown a GPU
-of their own and run on `cuda:0`."""
+of their own and run on `cuda:0`. A rank actor's command port lets in only its driver's key."""
 
 from __future__ import annotations
 
@@ -73,3 +73,21 @@ def test_rank_actors_in_gpu_bundles_each_see_a_gpu_of_their_own():
         for handle in handles:
             handle.kill()
         remove_placement_group(group)
+
+
+def test_a_rank_actor_drops_a_caller_without_the_drivers_key_and_still_takes_the_driver():
+    from multiprocessing import AuthenticationError
+    from multiprocessing.connection import Client
+
+    from splitserve.engine.parallel.actor_ranks import RankActor
+
+    actor = ray.remote(RankActor).options(num_cpus=0.1).remote(b"the driver's key")
+    try:
+        address = tuple(ray.get(actor.listen.remote(), timeout=60)["address"])
+        serving = actor.serve.remote()
+        with pytest.raises(AuthenticationError):
+            Client(address, authkey=b"a guess")
+        with Client(address, authkey=b"the driver's key"):  # refused, were the listener gone
+            assert ray.wait([serving], timeout=0)[0] == []  # serving the driver: it waits for its setup
+    finally:
+        ray.kill(actor, no_restart=True)

@@ -17,6 +17,7 @@ import functools
 import logging
 import os
 import secrets
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
@@ -65,7 +66,7 @@ class RankActor:
     def serve(self) -> None:
         assert self._listener is not None, "serve() follows listen()"
         with self._listener as listener:
-            conn = listener.accept()
+            conn = _accept_driver(listener)
         with conn:
             try:
                 run_rank(conn)
@@ -73,6 +74,15 @@ class RankActor:
                 logger.exception("this rank failed; ending its process")
                 logging.shutdown()
                 os._exit(1)
+
+
+def _accept_driver(listener: Listener) -> Connection:
+    """The first connection that presents the driver's key (another caller on the port is dropped)."""
+    while True:
+        try:
+            return listener.accept()
+        except (AuthenticationError, EOFError, ConnectionError) as exc:
+            logger.warning("dropped a connection to this rank that is not its driver's: %s", exc)
 
 
 @functools.cache
