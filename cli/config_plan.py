@@ -105,7 +105,9 @@ def plan_table(file: str, source: str, dtype: str, plans: list[PoolPlan]) -> str
 def _device(plan: PoolPlan) -> str:
     tp = f", tensor_parallel {plan.tensor_parallel}" if plan.tensor_parallel > 1 else ""
     ep = ", expert_parallel" if plan.expert_parallel else ""
-    return f"{plan.device}, {plan.replicas} replica{'s' if plan.replicas != 1 else ''}{tp}{ep}"
+    # on GPUs every rank reserves one of its own (a fraction is refused with tensor_parallel)
+    gpus = f" ({plan.replicas * plan.tensor_parallel} GPUs)" if plan.device == "cuda" and tp else ""
+    return f"{plan.device}, {plan.replicas} replica{'s' if plan.replicas != 1 else ''}{tp}{ep}{gpus}"
 
 
 def _allreduce(plan: PoolPlan) -> str:

@@ -2,8 +2,9 @@
 
 Each pool reserves one placement group per start or step that adds replicas (Ray groups
 cannot grow), one bundle per replica, or per rank of a tensor-parallel replica (consecutive, on
-one node: its ranks are processes beside the worker's actor, which sits in the first); `reserve` waits for it and fails with `PlacementError` if
-the cluster cannot give it in time. Before waiting, `check_room` (deploy/room.py) fails at once
+one node: the worker's actor sits in the first, and starts its other ranks as Ray actors in the
+rest, splitserve/engine/parallel/actor_ranks.py); `reserve` waits for it and fails with
+`PlacementError` if the cluster cannot give it in time. Before waiting, `check_room` (deploy/room.py) fails at once
 when the bundles can never fit. A group is freed only whole, so the bundle of a worker removed
 from a group others still use is kept (`vacate`) and handed to the next worker of the same
 reservation (`place`): a rolling replacement needs room for one extra bundle, not one per replica.
@@ -62,11 +63,11 @@ async def reserve(pool: Pool, count: int, wait_s: float) -> list[Member]:
         ) from None
     nodes = placement_group_table(group)["bundles_to_node_id"]
     split = [i for i in range(count) if len({nodes[i * ranks + r] for r in range(ranks)}) > 1]
-    if split:  # PACK spreads what one node cannot hold; a replica's ranks are processes of one node
+    if split:  # PACK spreads what one node cannot hold; a replica's ranks have run on one node only
         remove_placement_group(group)
         raise PlacementError(
             f"pool {pool.name!r}: replica {split[0]}'s {ranks} rank bundles {bundle} landed on different "
-            f"nodes; its ranks run on one node: free room for {ranks} on a node, or use STRICT_PACK"
+            f"nodes; a replica's ranks run on one node: free room for {ranks} on a node, or use STRICT_PACK"
         )
     pool.groups.append(group)
     members = [

@@ -18,6 +18,7 @@ from deploy.members import Member, Roster
 from deploy.placement import NodeIps, placed_node
 from deploy.worker_spec import WorkerSpec
 from splitserve.config import ClusterConfig
+from splitserve.rank_placement import RankPlacement
 
 logger = logging.getLogger("splitserve.deploy")
 
@@ -109,6 +110,9 @@ class ActorStarter:
         spec = worker.spec
         assert spec is not None  # a worker is placed for a spec
         cls = self.actor_class(worker.kind)
+        # a tensor-parallel worker's other ranks: Ray actors it starts in the bundles after its own
+        # (named only then, so a worker class without the argument, a test's fake, still fits)
+        ranks = {"rank_placement": rank_placement(worker, spec)} if spec.num_ranks > 1 else {}
         for _ in range(MAX_MOVES + 1):
             node_id = await placed_node(worker, self.config.health.start_timeout_s)
             store = await self.ensure_store(node_id)
@@ -120,7 +124,7 @@ class ActorStarter:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     worker.group, placement_group_bundle_index=worker.bundle_index
                 ),
-            ).remote(spec.engine, store.address)
+            ).remote(spec.engine, store.address, **ranks)
             try:
                 worker.address = await self.started_at(worker, self._node_ips.ip(node_id), 0, on_node=node_id)
                 return
@@ -206,6 +210,18 @@ class ActorStarter:
         if kind not in self._classes:
             self._classes[kind] = load_actor_class(kind, self._overrides.get(kind))
         return self._classes[kind]
+
+
+def rank_placement(worker: Member, spec: WorkerSpec) -> RankPlacement:
+    """The bundles of the worker's ranks 1..N-1: those after its own in its group, each reserving
+    what the worker's does."""
+    return RankPlacement(
+        group=worker.group,
+        worker_bundle_index=worker.bundle_index,
+        num_cpus=spec.num_cpus,
+        num_gpus=spec.num_gpus,
+        resources=spec.resources,
+    )
 
 
 def _hold_cluster_token(_self: Any, token: str) -> None:

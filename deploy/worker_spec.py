@@ -22,8 +22,9 @@ class WorkerSpec:
     labels its node must carry, and the placement strategy of the group it is reserved in.
 
     A tensor-parallel worker (`num_ranks` = its engine's `tensor_parallel_size` > 1) reserves one
-    `bundle` per rank, consecutive in its group: the worker's actor (rank 0) sits in the first,
-    the other ranks' processes run beside it on the same node (`deploy/placement.py` checks).
+    `bundle` per rank, consecutive in its group, on one node (`deploy/placement.py` checks): the
+    worker's actor (rank 0) sits in the first and starts each other rank as a Ray actor in the
+    next ones (`splitserve.rank_placement`), so with `num_gpus: 1` each rank has a GPU of its own.
     """
 
     engine: EngineConfig

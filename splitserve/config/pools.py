@@ -29,11 +29,11 @@ class PoolConfig(Section):
     `node_labels` are the Ray node labels its node must carry (`ray start --labels`), so a pool
     can be put on one node type. `num_gpus` may be a fraction: workers then share a GPU.
 
-    `tensor_parallel` N > 1 runs each replica as N ranks (processes joined by torch.distributed:
-    heads, MLP columns and the vocabulary split over them; engine/parallel/), with
-    `expert_parallel` spreading the routed experts over them whole. `num_cpus` is then per rank: a
-    replica reserves one bundle per rank, all on one node (the ranks are processes of the worker's
-    node), so `placement` packs (PACK or STRICT_PACK); such a pool runs on CPUs only for now.
+    `tensor_parallel` N > 1 runs each replica as N ranks (the worker's actor and N - 1 Ray actors
+    joined by torch.distributed: heads, MLP columns and the vocabulary split over them;
+    engine/parallel/), with `expert_parallel` spreading the routed experts over them whole.
+    `num_cpus` and `num_gpus` are then per rank: a replica reserves one bundle per rank (on GPUs one
+    whole GPU each: `num_gpus: 1`), all on one node, so `placement` packs (PACK or STRICT_PACK).
 
     `autoscale` lets the controller's planner move `replicas` between its bounds by load against
     `slo` (splitserve/config/autoscale.py); `replicas` is then where the pool starts (by default
@@ -126,13 +126,13 @@ class PoolConfig(Section):
         if self.tensor_parallel > 1 and self.placement not in ("PACK", "STRICT_PACK"):
             raise ValueError(
                 f"placement {self.placement} with tensor_parallel {self.tensor_parallel}: a replica's ranks "
-                "are processes of one node, so its bundles must be packed; use PACK or STRICT_PACK"
+                "run on one node, so its bundles must be packed; use PACK or STRICT_PACK"
             )
-        if self.tensor_parallel > 1 and self.num_gpus > 0:
+        if self.tensor_parallel > 1 and 0 < self.num_gpus < 1:
             raise ValueError(
-                f"tensor_parallel {self.tensor_parallel} with num_gpus: a replica's ranks are processes "
-                "beside the worker's actor, which Ray shows its own GPU only, so rank r cannot reach "
-                "cuda:r; tensor-parallel pools run on CPUs (num_gpus: 0) until ranks are Ray actors"
+                f"num_gpus {self.num_gpus:g} with tensor_parallel {self.tensor_parallel}: each rank takes a "
+                "whole GPU of its own (Ray could give two ranks of a replica one shared GPU, which NCCL "
+                "refuses); give num_gpus: 1, or tensor_parallel: 1 to share GPUs between workers"
             )
         if self.tensor_parallel > 1 and self.preemption_mode == "swap":
             raise ValueError(

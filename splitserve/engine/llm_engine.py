@@ -34,7 +34,8 @@ from splitserve.engine.parallel.commands import (
 )
 from splitserve.engine.parallel.group import SINGLE, TensorParallel
 from splitserve.engine.parallel.handoff import DriverExports, FollowerExports, ShardingSink, StoreRead
-from splitserve.engine.parallel.ranks import RankProcesses, rank_config
+from splitserve.engine.parallel.local_ranks import LocalProcesses
+from splitserve.engine.parallel.ranks import RankLauncher, Ranks
 from splitserve.engine.parallel_sampling import SampleForker, SampleStart, make_samples
 from splitserve.engine.prefix_cache import ImportedPrefix, PrefixCacheStats, PrefixEvent, RetainedPrefix
 from splitserve.engine.prefix_cache.cache import PrefixCache, make_prefix_cache
@@ -67,8 +68,9 @@ def async_scheduling(config: EngineConfig, device: torch.device) -> bool:
 class LLMEngine:
     """Owns one model replica, its caches, scheduler and sampler; not thread-safe (one driver).
 
-    With `tensor_parallel_size` N > 1 this engine is rank 0 of N: it starts ranks 1..N-1 as
-    processes (engine/parallel/), each an `LLMEngine` of its own over its shard, and forwards every
+    With `tensor_parallel_size` N > 1 this engine is rank 0 of N: it starts ranks 1..N-1 through
+    `launcher` (local processes by default; a cluster worker's Ray actors in their own bundles,
+    engine/parallel/actor_ranks.py), each an `LLMEngine` of its own over its shard, and forwards every
     call that changes state to them (`parallel/commands.py`); it alone samples. `shutdown()` (or
     the engine being dropped, or the interpreter leaving) ends them. A rank's engine is built with
     its `tp` given and forwards nothing. Every rank ends its construction with the same warm-up
@@ -76,14 +78,17 @@ class LLMEngine:
     State handed off in or out goes through every rank, each with its heads (parallel/handoff.py).
     """
 
-    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, tp: TensorParallel | None = None, launcher: RankLauncher | None = None
+    ) -> None:
         load_start_s = time.monotonic()
-        self.ranks: RankProcesses | None = None
+        self.ranks: Ranks | None = None
         if tp is None and config.tensor_parallel_size > 1:
-            config = rank_config(config, 0)
+            launcher = launcher or LocalProcesses()
+            config = launcher.rank_config(config, 0)
             # refused before any rank starts; each rank checks its own device again as it builds
             _check_kernels(_model_config(config), torch.device(config.device))
-            self.ranks, tp = RankProcesses.launch(config)
+            self.ranks, tp = Ranks.launch(config, launcher)
         try:
             self._build(config, tp or SINGLE, load_start_s)
             if self.ranks is not None:

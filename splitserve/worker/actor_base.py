@@ -17,18 +17,29 @@ from typing import Any
 import grpc
 
 from splitserve.engine_config import EngineConfig
+from splitserve.rank_placement import RankPlacement
 
 logger = logging.getLogger(__name__)
 
 
 class WorkerActorBase:
-    """Owns one engine, its loop thread and one gRPC server; `start` returns "host:port"."""
+    """Owns one engine, its loop thread and one gRPC server; `start` returns "host:port".
+
+    A tensor-parallel engine's other ranks start as Ray actors in the bundles `rank_placement`
+    names (the controller passes it); without it (a worker run in-process) as local processes.
+    """
 
     role = "worker"
 
-    def __init__(self, engine_config: EngineConfig, store_address: str = "") -> None:
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        store_address: str = "",
+        rank_placement: RankPlacement | None = None,
+    ) -> None:
         self.engine_config = engine_config
         self.store_address = store_address
+        self.rank_placement = rank_placement
         self.worker_id = f"{self.role}-{socket.gethostname()}-{os.getpid()}"
         self.address: str | None = None
         self._server: grpc.Server | None = None
@@ -40,7 +51,12 @@ class WorkerActorBase:
         from splitserve.engine.llm_engine import LLMEngine
         from splitserve.rpc import start_server
 
-        self.loop = EngineLoop(LLMEngine(self.engine_config), name=f"{self.role}-engine")
+        launcher = None
+        if self.rank_placement is not None and self.engine_config.tensor_parallel_size > 1:
+            from splitserve.engine.parallel.actor_ranks import RankActors
+
+            launcher = RankActors(self.rank_placement)
+        self.loop = EngineLoop(LLMEngine(self.engine_config, launcher=launcher), name=f"{self.role}-engine")
         self._server, self.address, _ = start_server(self.register_services(), host, port)
         logger.info("%s %s serving on %s", self.role, self.worker_id, self.address)
         return self.address
@@ -49,8 +65,9 @@ class WorkerActorBase:
         raise NotImplementedError
 
     def health(self) -> bool:
-        """The engine loop runs and, for a tensor-parallel engine, every rank's process does: a
-        worker's ranks are one unit (one ended, the controller restarts the worker whole)."""
+        """The engine loop runs and, for a tensor-parallel engine, every other rank does (its Ray
+        actor is alive and serving, or its process runs): a worker's ranks are one unit (one
+        ended, the controller restarts the worker whole)."""
         if self.loop is None or not self.loop.alive:
             return False
         ranks = self.loop.engine.ranks
@@ -65,6 +82,7 @@ class WorkerActorBase:
         the engine waits for work, else how long its step in progress has run; the controller
         restarts a worker whose age passes its stuck limit (deploy/health.py)."""
         snap = self.loop.snapshot()
+        ranks = self.loop.engine.ranks
         return {
             "role": self.role,
             "address": self.address,
@@ -84,8 +102,10 @@ class WorkerActorBase:
             "num_preemptions": snap.num_preemptions,
             # swap preemption (engine/swap_space.py; zeros when preempting by recompute)
             **{f"swap_{k}": v for k, v in dataclasses.asdict(snap.swap).items()},
-            # a tensor-parallel worker's other ranks, processes beside this actor (empty with one rank)
-            "rank_pids": [proc.pid for proc in ranks.procs] if (ranks := self.loop.engine.ranks) else [],
+            # a tensor-parallel worker's other ranks (empty with one rank): their pids, and each
+            # rank's pid, Ray actor id, placement group, bundle, node and GPUs
+            "rank_pids": [handle.pid for handle in ranks.handles] if ranks else [],
+            "ranks": ranks.describe() if ranks else [],
             # handed-off pieces rank 0 cut and sent to its other ranks (0 where each reads the store)
             "rank_forwarded_pieces": self.loop.engine.num_forwarded_pieces,
         }

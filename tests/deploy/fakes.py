@@ -83,10 +83,10 @@ class FakeStore(_Fake):
 
 
 class _FakeWorker(_Fake):
-    def __init__(self, engine_config: Any, store_address: str) -> None:
+    def __init__(self, engine_config: Any, store_address: str, rank_placement: Any = None) -> None:
         self.engine_config = engine_config
         node_id = ray.get_runtime_context().get_node_id()
-        event = ("construct", self.kind, store_address, engine_config, node_id)
+        event = ("construct", self.kind, store_address, engine_config, node_id, rank_placement)
         ray.get(_registry().record.remote(*event))
 
 

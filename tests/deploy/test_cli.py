@@ -51,7 +51,7 @@ def test_config_check_prints_the_one_clear_error(tmp_path, capsys):
     assert out == ""
     assert err.strip() == (
         f"splitserve config check: {path}: decode: placement STRICT_SPREAD with tensor_parallel 4: a "
-        "replica's ranks are processes of one node, so its bundles must be packed; use PACK or STRICT_PACK"
+        "replica's ranks run on one node, so its bundles must be packed; use PACK or STRICT_PACK"
     )
 
 

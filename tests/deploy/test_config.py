@@ -10,7 +10,7 @@ from pydantic import BaseModel, ValidationError
 
 from deploy.actors import gateway_settings_kwargs
 from deploy.launcher import required_resources
-from deploy.worker_spec import bundle_of
+from deploy.worker_spec import WorkerSpec, bundle_of
 from frontend.settings import GatewaySettings
 from splitserve.config import (
     ClusterConfig,
@@ -201,12 +201,23 @@ def test_tensor_and_expert_parallel_per_pool_reach_the_engines(tmp_path):
     assert required_resources(config) == {"CPU": 6.5, "GPU": 0.0}
 
 
+def test_a_tensor_parallel_pool_on_gpus_reserves_a_gpu_per_rank(tmp_path):
+    config = load_config(
+        write(tmp_path, "prefill: {num_gpus: 1, tensor_parallel: 2}\ndecode: {num_gpus: 1, replicas: 3}")
+    )
+    engine = config.engine_config("prefill", model_path="m")
+    assert (engine.device, engine.tensor_parallel_size) == ("cuda", 2)
+    spec = WorkerSpec.of(config.prefill, engine)
+    assert (spec.bundle, spec.num_ranks) == ({"CPU": 1.0, "GPU": 1.0}, 2)  # a bundle per rank
+    assert required_resources(config)["GPU"] == 5  # prefill 1 x 2 ranks + decode 3 x 1
+
+
 @pytest.mark.parametrize(
     "section,message",
     [
         (
             "decode: {tensor_parallel: 2, placement: SPREAD}",
-            "decode: placement SPREAD with tensor_parallel 2: a replica's ranks are processes of one node",
+            "decode: placement SPREAD with tensor_parallel 2: a replica's ranks run on one node",
         ),
         (
             "prefill: {tensor_parallel: 2, preemption_mode: swap}",
@@ -214,8 +225,8 @@ def test_tensor_and_expert_parallel_per_pool_reach_the_engines(tmp_path):
         ),
         ("decode: {tensor_parallel: 2, replay_window: 8}", "decode: replay_window with tensor_parallel > 1"),
         (
-            "decode: {tensor_parallel: 2, num_gpus: 1}",
-            "decode: tensor_parallel 2 with num_gpus: a replica's ranks",
+            "decode: {tensor_parallel: 2, num_gpus: 0.5}",
+            "decode: num_gpus 0.5 with tensor_parallel 2: each rank takes a whole GPU of its own",
         ),
         (
             "prefill: {expert_parallel: true}",

@@ -140,6 +140,17 @@ def test_a_budget_too_small_for_max_model_len_does_not_fit(tmp_path, capsys):
     assert "kv_cache_memory_bytes=268,435,456 is too small" in prefill["problems"][0]
 
 
+def test_the_48b_at_tensor_parallel_2_on_8_gpus_is_4_replicas_of_2_gpus(tmp_path, capsys):
+    """Each rank reserves a GPU of its own: 4 replicas x 2 ranks take the 8 GPUs, each rank holding
+    half the weights (the plan per rank, from config.json alone)."""
+    pool = "{replicas: 4, num_gpus: 1, tensor_parallel: 2, device_memory_bytes: 139GiB, kv_cache_memory_bytes: 32GiB}"
+    path = write(tmp_path, f"model: {{dtype: bfloat16}}\nmode: colocated\nprefill: {pool}\n")
+    assert required_resources(load_config(path))["GPU"] == 8
+    assert main(["config", "plan", path, "--model-config", str(CONFIG_48B)]) == 0
+    out = capsys.readouterr().out
+    assert "cuda, 4 replicas, tensor_parallel 2 (8 GPUs)" in out and "prefill: fits" in out
+
+
 def test_an_unknown_device_is_exit_3(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("splitserve.memory_plan.visible_gpu_memory_bytes", lambda: None)
     pools = "{num_gpus: 1, kv_cache_memory_bytes: 8GiB}"

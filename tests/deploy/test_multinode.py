@@ -32,7 +32,7 @@ def _check_each_worker_got_its_nodes_store(events: list[tuple[Any, ...]]) -> dic
     stores = {e[3]: e[2] for e in events if e[:2] == ("start", "store")}
     for event in events:
         if event[0] == "construct":
-            _, kind, store_address, _, node_id = event
+            _, kind, store_address, _, node_id, _ = event
             assert store_address == stores[node_id], f"{kind} on {node_id} got another node's store"
     return stores
 

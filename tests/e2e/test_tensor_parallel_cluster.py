@@ -1,9 +1,10 @@
 """Tensor parallelism in a real deployment (local Ray, real actors, gRPC, HTTP, the official openai
 client): a prefill pool at tensor_parallel 2 handing off to a decode pool at 1, the reverse, and both at
 2 with the prefill's experts spread over its ranks (expert_parallel), give the offline engine's greedy
-tokens, each decode rank reading its heads of the state from the store; and a decode rank SIGKILLed
-mid-stream makes its worker unhealthy: the controller restarts the worker whole and its streams fail
-over, ending with the uninterrupted tokens."""
+tokens, each decode rank reading its heads of the state from the store, ranks 1..N-1 running as Ray
+actors in their own bundles of the replica's placement group; and a decode rank's actor SIGKILLed
+mid-stream makes its worker unhealthy: the controller restarts the worker whole (a new rank actor in
+the same bundle) and its streams fail over, ending with the uninterrupted tokens."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import ray
 
 from deploy.launcher import run_cluster
 from splitserve import LLM, SamplingParams
@@ -69,13 +71,38 @@ def test_tensor_parallel_pools_serve_the_offline_tokens(
             decode_tp,
         )
         for name, size in (("prefill", prefill_tp), ("decode", decode_tp)):
-            assert len(worker_stats(cluster, name, 0)["rank_pids"]) == size - 1
+            _ranks_are_actors_in_the_replicas_bundles(cluster, name, size)
         assert _serve(cluster, prompts) == offline_tokens
         assert_idle(cluster)
         # every decode rank read its heads from the store itself: rank 0 forwarded no piece
         assert worker_stats(cluster, "decode", 0)["rank_forwarded_pieces"] == 0
         if decode_tp == 2 and not expert_parallel:  # once is enough
             _a_killed_rank_restarts_its_worker_whole(cluster, prompts, model_path)
+
+
+def _placement_group_id(_self) -> str:
+    return ray.get_runtime_context().get_placement_group_id()
+
+
+def _ranks_are_actors_in_the_replicas_bundles(cluster, pool: str, size: int) -> None:
+    """The worker (rank 0) sits in bundle 0 of its replica's placement group and ranks 1..N-1 are Ray
+    actors in bundles 1..N-1 of the same group, as the ranks, Ray's books and the OS all say."""
+    handle = ray.get(cluster.controller.worker_handle.remote(pool, 0), timeout=30)
+    group_id = ray.get(handle.__ray_call__.remote(_placement_group_id), timeout=30)
+    stats = ray.get(handle.stats.remote(), timeout=30)
+    ranks = stats["ranks"]
+    assert [r["rank"] for r in ranks] == list(range(1, size))
+    assert stats["rank_pids"] == [r["pid"] for r in ranks]
+    placed = [(r["placement_group_id"], r["bundle_index"]) for r in ranks]
+    assert placed == [(group_id, i) for i in range(1, size)]
+    # each bundle of the replica is taken whole, by rank 0 or a rank actor
+    bundles = [f"CPU_group_{i}_{group_id}" for i in range(size)]
+    assert all(ray.cluster_resources().get(b, 0.0) > 0 for b in bundles)
+    free = ray.available_resources()
+    assert [free.get(b, 0.0) for b in bundles] == [0.0] * size, free
+    for rank in ranks:  # Ray names an actor's process after its class and running method
+        with open(f"/proc/{rank['pid']}/cmdline", "rb") as f:
+            assert f.read().startswith(b"ray::RankActor"), rank
 
 
 def _a_killed_rank_restarts_its_worker_whole(cluster, prompts, model_path):
@@ -100,4 +127,5 @@ def _a_killed_rank_restarts_its_worker_whole(cluster, prompts, model_path):
     assert decode["restarts"] == 1 and decode["healthy"], decode
     (new_pid,) = worker_stats(cluster, "decode", 0)["rank_pids"]
     assert new_pid != rank_pid
+    _ranks_are_actors_in_the_replicas_bundles(cluster, "decode", 2)  # the new rank in the same bundle
     assert_idle(cluster)

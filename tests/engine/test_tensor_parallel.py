@@ -60,7 +60,7 @@ def reference(checkpoint):
 
 def _ranks_ended(llm: LLM) -> list[int | None]:
     assert llm.engine.ranks is not None
-    return [p.poll() for p in llm.engine.ranks.procs]
+    return [h.proc.poll() for h in llm.engine.ranks.handles]
 
 
 @pytest.mark.parametrize("size,expert_parallel", [(2, False), (4, False), (2, True), (4, True)])
@@ -158,7 +158,7 @@ def test_a_killed_rank_fails_the_next_step_instead_of_hanging(checkpoint):
     llm = LLM(model=str(path), dtype="float32", max_model_len=400, tensor_parallel_size=2)
     try:
         assert llm.engine.ranks is not None
-        rank = llm.engine.ranks.procs[0]
+        rank = llm.engine.ranks.handles[0].proc
         rank.send_signal(signal.SIGKILL)
         rank.wait(timeout=30)
         with pytest.raises(RuntimeError):
@@ -171,7 +171,7 @@ _DRIVER = """
 import sys, time
 from splitserve import LLM
 llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=64, tensor_parallel_size=2)
-print(" ".join(str(p.pid) for p in llm.engine.ranks.procs), flush=True)
+print(" ".join(str(h.pid) for h in llm.engine.ranks.handles), flush=True)
 time.sleep(600)
 """
 

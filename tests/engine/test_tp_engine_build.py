@@ -72,7 +72,7 @@ def test_the_warm_up_on_every_rank_runs_in_step_and_leaves_the_caches_as_loaded(
         assert _caches_all_zero(engine)
         assert (list(scheduler.blocks._free), list(scheduler.slots._free)) == free_before
         assert _tokens(warm) == want  # and rank 1 found its shard of the caches zero (or it ended)
-        assert [p.poll() for p in engine.ranks.procs] == [None]
+        assert [h.ended() for h in engine.ranks.handles] == [None]
     finally:
         warm.shutdown()
 
@@ -81,7 +81,7 @@ def test_cuda_without_fla_is_refused_before_any_rank_starts(monkeypatch, tiny_mo
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     monkeypatch.setattr(kda_dispatch, "fla_available", lambda: False)
     launched = []
-    monkeypatch.setattr(llm_engine.RankProcesses, "launch", lambda *args: launched.append(args))
+    monkeypatch.setattr(llm_engine.Ranks, "launch", lambda *args: launched.append(args))
     config = EngineConfig(
         model=str(tiny_model_path), device="cuda", max_model_len=128, tensor_parallel_size=2
     )

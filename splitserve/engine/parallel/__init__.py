@@ -5,5 +5,7 @@
 * `shard.Shard`: which slice of a checkpoint tensor a rank keeps; the loader reads only that slice.
 * `commands`: what the driver (rank 0) tells the other ranks, in order; each rank applies it to its
   own engine, whose scheduler then decides exactly as the driver's does.
-* `ranks.RankProcesses` (driver side) and `rank_process` (each other rank's process).
+* `ranks.Ranks` (driver side, behind a launcher: `local_ranks` starts local processes for the
+  offline engine, `actor_ranks` Ray actors in a cluster worker's placement-group bundles) and
+  `rank_process.run_rank` (what each other rank runs).
 """

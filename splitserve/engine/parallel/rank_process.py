@@ -1,7 +1,8 @@
 """The process of one rank past rank 0: join the group, load this rank's shard, repeat the driver's calls.
 
-Started by `RankProcesses` as `python -m splitserve.engine.parallel.rank_process FD`, FD being its
-end of a socket pair to the driver. It receives a `RankSetup`, says `RankJoining`, joins the group,
+Started by `local_ranks.LocalProcesses` as `python -m splitserve.engine.parallel.rank_process FD`, FD
+being its end of a socket pair to the driver; a cluster's `actor_ranks.RankActor` runs `run_rank`
+over its TCP connection to the driver. It receives a `RankSetup`, says `RankJoining`, joins the group,
 loads its shard and answers `RankReady` (or `RankFailed` with the traceback), then applies each
 command it receives to its own engine (`commands.py`) until `Shutdown` or until the driver's end
 closes (the driver's process ended): a rank never outlives its driver.
