@@ -149,7 +149,9 @@ class ColocatedServicer(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.Decode
             if start.finish_reason and i in live:
                 del live[i]
                 self.loop.call(lambda e, engine_id=stream.ids[i]: e.abort_request(engine_id))
-        yield from stream_deltas(rid, stream.updates, finish, context, samples=live)
+        yield from stream_deltas(
+            rid, stream.updates, finish, context, samples=live, engine_alive=lambda: self.loop.alive
+        )
 
     def _forget(self, rid: str) -> None:
         with self._lock:

@@ -106,7 +106,16 @@ class KeptStreams:
         context.add_callback(lambda: None if finished.is_set() else self._abort_engine(rid))
         first = True
         try:
-            for delta in stream_deltas(rid, updates, finished.set, context, state_wait_s, num_generated):
+            deltas = stream_deltas(
+                rid,
+                updates,
+                finished.set,
+                context,
+                state_wait_s,
+                num_generated,
+                engine_alive=self._engine_alive,
+            )
+            for delta in deltas:
                 if first and kept_in is not None and self.publisher is not None:
                     delta.resume_from.store_address, delta.resume_from.state_key = kept_in
                 first = False
@@ -114,6 +123,9 @@ class KeptStreams:
         finally:
             if self.publisher is not None:
                 self.publisher.end(rid)
+
+    def _engine_alive(self) -> bool:
+        return bool(self.loop.alive)
 
     def resume(
         self, request: decode_pb2.DecodeRequest, context: grpc.ServicerContext

@@ -271,7 +271,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self._release(reader)
         finished = threading.Event()
         context.add_callback(lambda: None if finished.is_set() else self._abort_engine(rid))
-        yield from stream_deltas(rid, updates, finished.set, context, state_wait_s, samples=live)
+        yield from stream_deltas(
+            rid,
+            updates,
+            finished.set,
+            context,
+            state_wait_s,
+            samples=live,
+            engine_alive=lambda: self.loop.alive,
+        )
 
     def _decode_whole(
         self, request: decode_pb2.DecodeRequest, context: grpc.ServicerContext
@@ -319,7 +327,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         context.add_callback(lambda: None if finished.is_set() else self._abort_engine(rid))
         samples = {i: len(sent) for i in range(len(ids))} if len(ids) > 1 else None
         yield from stream_deltas(
-            rid, updates, finished.set, context, num_generated=len(sent), samples=samples
+            rid,
+            updates,
+            finished.set,
+            context,
+            num_generated=len(sent),
+            samples=samples,
+            engine_alive=lambda: self.loop.alive,
         )
 
     def _free_room(self, reader: StateReader) -> None:

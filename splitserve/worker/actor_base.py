@@ -127,6 +127,15 @@ class WorkerActorBase:
                 self.loop.engine.shutdown()
         return num_held
 
+    def __ray_shutdown__(self) -> None:
+        """Ray ends an actor whose handles are all dropped gracefully (even after `ray.kill`,
+        when that path wins the race, as on a controller's restart), and Python's exit then waits
+        for the gRPC server's handler threads: an open Decode stream kept the replaced worker's
+        process, its streams and its device memory for as long as its request ran, and a stream
+        whose engine had died, for ever. Stop at once instead: every open RPC ends (the gateway
+        fails its streams over), then the engine and its other ranks."""
+        self.shutdown()
+
     def _drain(self, timeout_s: float) -> int:
         """Poll the engine's snapshot (20 times a second) until it holds no request or
         `timeout_s` passes (a step in progress delays neither the poll nor the deadline)."""

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from splitserve.rpc import abort
 from splitserve.v1 import decode_pb2
 from splitserve.wire import FINISH_TO_PROTO, logprobs_to_proto
 
@@ -27,13 +28,20 @@ def stream_deltas(
     state_wait_s: float = 0.0,
     num_generated: int = 1,
     samples: Mapping[int, int] | None = None,
+    *,
+    engine_alive: Callable[[], bool],
 ) -> Iterator[decode_pb2.TokenDelta]:
     """One TokenDelta per engine update until the finishing one; `on_finish` runs just before it.
 
     Ends quietly once the RPC is no longer active (the client cancelled, the server stopped):
     an aborted request sends no further update, and a handler left waiting for one would hold
-    a server thread for ever. `num_generated`: tokens generated before the stream's first update
-    (the prefill's first token, plus those generated elsewhere before a decode failover).
+    a server thread for ever. Ends with UNAVAILABLE, which the gateway takes as a lost worker and
+    fails over at once, when `engine_alive()` says the engine loop died (a tensor-parallel rank
+    lost, a step that raised): no update will come here again, and the controller may take a
+    while to replace the worker.
+
+    `num_generated`: tokens generated before the stream's first update (the prefill's first
+    token, plus those generated elsewhere before a decode failover).
 
     `samples`, for a request of several samples (n > 1): the sample indexes this stream carries,
     each with its tokens generated before the stream. Each delta names its sample; the stream
@@ -48,6 +56,12 @@ def stream_deltas(
         except queue.Empty:
             if not context.is_active():
                 return
+            if not engine_alive():
+                abort(
+                    context,
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"this worker's engine stopped; request {rid} cannot go on here",
+                )
             continue
         index = update.request.sample_index
         if index not in generated:
