@@ -46,14 +46,15 @@ class PrefixReuse:
         assert publisher is not None  # `enabled` said caching is on and there is a store
         self.publisher = publisher
         gain = MIN_GAIN_UNITS * self.unit if min_gain_tokens is None else min_gain_tokens
-        self.fetcher = PrefixFetcher(loop.engine.caches, min_gain_tokens=gain)
+        # a tensor-parallel engine's rank 0 holds its heads: it reads the pieces of any width and
+        # its engine hands every other rank its heads of them (`LLMEngine.add_request`)
+        self.fetcher = PrefixFetcher(loop.engine.caches, min_gain_tokens=gain, heads=loop.engine.heads)
 
     @staticmethod
     def enabled(loop: EngineLoop, store_address: str) -> bool:
-        # a tensor-parallel engine neither imports a stored prefix nor publishes its snapshots (each
-        # rank's hold its heads only): its prefix cache stays its own
-        engine = loop.engine
-        return bool(store_address) and bool(engine.config.enable_prefix_caching) and engine.tp.size == 1
+        # at any tensor-parallel width: a prefix is published with every rank's heads, and each
+        # rank imports its own (parallel/retained.py, `ImportedPrefix.for_heads`)
+        return bool(store_address) and bool(loop.engine.config.enable_prefix_caching)
 
     def chain_of(self, prompt_token_ids: Sequence[int], sent: Sequence[bytes] | None) -> list[bytes]:
         """The request's chain: the gateway's if it sent one, else the one the engine would make."""
