@@ -86,15 +86,13 @@ class PrefixReuse:
 
     def counters(self) -> dict[str, int]:
         """Counters since start, as a worker's `stats` report them (deploy/README.md lists them)."""
-        fetched, published = self.fetcher.stats, self.publisher.stats
+        fetched = self.fetcher.stats
         return {
             "prefix_store_lookups": fetched.num_lookups,
             "prefix_store_hits": fetched.num_hits,
             "prefix_store_hit_tokens": fetched.num_hit_tokens,
             "prefix_store_fetch_failures": fetched.num_failures,
-            "prefix_published": published.num_published,
-            "prefix_publish_dropped": published.num_dropped,
-            "prefix_publish_failures": published.num_failed,
+            **self.publisher.stats.counters(),
         }
 
     def close(self) -> None:

@@ -50,6 +50,14 @@ class PublisherStats:
     num_bytes: int = 0  # state bytes published
     num_held_past_wait: int = 0  # started with a prompt still waiting: the hold's wait ran out
 
+    def counters(self) -> dict[str, int]:
+        """What a worker's `stats` report of its publisher (deploy/README.md lists them)."""
+        return {
+            "prefix_published": self.num_published,
+            "prefix_publish_dropped": self.num_dropped,
+            "prefix_publish_failures": self.num_failed,
+        }
+
 
 class PrefixPublisher:
     """Owns a bounded queue of retained prefixes and the thread that writes them to one store.
