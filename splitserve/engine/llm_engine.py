@@ -78,7 +78,9 @@ class LLMEngine:
     the engine being dropped, or the interpreter leaving) ends them. A rank's engine is built with
     its `tp` given and forwards nothing. Every rank ends its construction with the same warm-up
     (engine/warm_up.py), so the warm-up's steps meet in the same collectives on every rank.
-    State handed off in or out goes through every rank, each with its heads (parallel/handoff.py).
+    State handed off in or out goes through every rank, each with its heads (parallel/handoff.py),
+    and so do the prefixes it retains for the store and those it imports (parallel/retained.py,
+    `ImportedPrefix.for_heads`).
     """
 
     def __init__(
