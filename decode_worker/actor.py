@@ -56,6 +56,8 @@ class DecodeWorkerActor(WorkerActorBase):
             out["replay"] = dataclasses.asdict(self.replay_publisher.stats)
         if self.swap_space is not None:
             out["swap_store"] = dataclasses.asdict(self.swap_space.stats)
+        if self.prefix_publisher is not None:  # the finished turns it gave its store
+            out.update(self.prefix_publisher.stats.counters())
         return out
 
     def shutdown(self, drain_timeout_s: float = 0.0) -> int:

@@ -46,14 +46,15 @@ class PrefixReuse:
         assert publisher is not None  # `enabled` said caching is on and there is a store
         self.publisher = publisher
         gain = MIN_GAIN_UNITS * self.unit if min_gain_tokens is None else min_gain_tokens
-        self.fetcher = PrefixFetcher(loop.engine.caches, min_gain_tokens=gain)
+        # a tensor-parallel engine's rank 0 holds its heads: it reads the pieces of any width and
+        # its engine hands every other rank its heads of them (`LLMEngine.add_request`)
+        self.fetcher = PrefixFetcher(loop.engine.caches, min_gain_tokens=gain, heads=loop.engine.heads)
 
     @staticmethod
     def enabled(loop: EngineLoop, store_address: str) -> bool:
-        # a tensor-parallel engine neither imports a stored prefix nor publishes its snapshots (each
-        # rank's hold its heads only): its prefix cache stays its own
-        engine = loop.engine
-        return bool(store_address) and bool(engine.config.enable_prefix_caching) and engine.tp.size == 1
+        # at any tensor-parallel width: a prefix is published with every rank's heads, and each
+        # rank imports its own (parallel/retained.py, `ImportedPrefix.for_heads`)
+        return bool(store_address) and bool(loop.engine.config.enable_prefix_caching)
 
     def chain_of(self, prompt_token_ids: Sequence[int], sent: Sequence[bytes] | None) -> list[bytes]:
         """The request's chain: the gateway's if it sent one, else the one the engine would make."""
@@ -85,15 +86,13 @@ class PrefixReuse:
 
     def counters(self) -> dict[str, int]:
         """Counters since start, as a worker's `stats` report them (deploy/README.md lists them)."""
-        fetched, published = self.fetcher.stats, self.publisher.stats
+        fetched = self.fetcher.stats
         return {
             "prefix_store_lookups": fetched.num_lookups,
             "prefix_store_hits": fetched.num_hits,
             "prefix_store_hit_tokens": fetched.num_hit_tokens,
             "prefix_store_fetch_failures": fetched.num_failures,
-            "prefix_published": published.num_published,
-            "prefix_publish_dropped": published.num_dropped,
-            "prefix_publish_failures": published.num_failed,
+            **self.publisher.stats.counters(),
         }
 
     def close(self) -> None:

@@ -29,13 +29,16 @@ from splitserve.engine.parallel.commands import (
     PromptLogits,
     ReadTransferred,
     ReserveTransfer,
+    SetRetention,
     Step,
     WriteTransferred,
 )
 from splitserve.engine.parallel.group import SINGLE, TensorParallel
 from splitserve.engine.parallel.handoff import DriverExports, FollowerExports, ShardingSink, StoreRead
+from splitserve.engine.parallel.heads import rank_heads
 from splitserve.engine.parallel.local_ranks import LocalProcesses
 from splitserve.engine.parallel.ranks import RankLauncher, Ranks
+from splitserve.engine.parallel.retained import DriverRetained, FollowerRetained
 from splitserve.engine.parallel_sampling import SampleForker, SampleStart, make_samples
 from splitserve.engine.prefix_cache import ImportedPrefix, PrefixCacheStats, PrefixEvent, RetainedPrefix
 from splitserve.engine.prefix_cache.cache import PrefixCache, make_prefix_cache
@@ -75,7 +78,9 @@ class LLMEngine:
     the engine being dropped, or the interpreter leaving) ends them. A rank's engine is built with
     its `tp` given and forwards nothing. Every rank ends its construction with the same warm-up
     (engine/warm_up.py), so the warm-up's steps meet in the same collectives on every rank.
-    State handed off in or out goes through every rank, each with its heads (parallel/handoff.py).
+    State handed off in or out goes through every rank, each with its heads (parallel/handoff.py),
+    and so do the prefixes it retains for the store and those it imports (parallel/retained.py,
+    `ImportedPrefix.for_heads`).
     """
 
     def __init__(
@@ -155,6 +160,9 @@ class LLMEngine:
         num_heads = self.model_config.linear_num_heads
         self.driver_exports = DriverExports(tp, num_heads) if tp.size > 1 and tp.rank == 0 else None
         self.follower_exports = FollowerExports(tp, num_heads) if tp.rank > 0 else None
+        self.heads = rank_heads(num_heads, tp.rank, tp.size)  # the KDA heads this rank holds
+        self.driver_retained = DriverRetained(tp, num_heads) if tp.size > 1 and tp.rank == 0 else None
+        self.follower_retained = FollowerRetained(tp, num_heads) if tp.rank > 0 else None
         self.rank_reads: Any = None  # a rank's own store reads (worker/rank_reads.py), made on the first
         self._read_on_ranks: set[str] = set()  # rank 0: reservations every rank reads itself
         self.num_forwarded_pieces = 0  # rank 0: pieces it cut for the other ranks (none where they read)
@@ -238,24 +246,21 @@ class LLMEngine:
             raise ValueError(
                 "a request resumed with output_token_ids is one sample: send n=1 with that sample's seed"
             )
+        stored = imported_prefix  # any width's pieces: each rank takes its own heads of them
+        if imported_prefix is not None and self.prefix_cache is not None:
+            imported_prefix = imported_prefix.for_heads(self.heads)
         if self.ranks is not None:
-            if imported_prefix is not None:
-                raise ValueError(
-                    "a tensor-parallel engine does not import a stored prefix (its ranks would each need "
-                    "their heads of it); use tensor_parallel_size 1 for the cluster prefix cache"
-                )
             # every rank makes the same samples of it and forks them at the same step
-            self.ranks.send(
-                AddRequest(
-                    request_id,
-                    list(prompt_token_ids),
-                    params,
-                    prefill_only or export is not None,
-                    prefix_hashes,
-                    output_token_ids,
-                    export_to_driver=export is not None,
-                )
+            command = AddRequest(
+                request_id,
+                list(prompt_token_ids),
+                params,
+                prefill_only or export is not None,
+                prefix_hashes,
+                output_token_ids,
+                export_to_driver=export is not None,
             )
+            self._add_on_ranks(command, stored)
             if export is not None and self.driver_exports is not None:
                 export = self.driver_exports.wrap(export)
         first = self._new_request(request_id, prompt_token_ids, params, prompt)
@@ -278,6 +283,18 @@ class LLMEngine:
             self.requests[sample.request_id] = sample
         self.scheduler.add(request)
         return request
+
+    def _add_on_ranks(self, command: AddRequest, imported: ImportedPrefix | None) -> None:
+        """Forward an add to every other rank, each with its heads of an imported prefix (all cut
+        before any rank hears of it: a prefix that cannot be cut is refused by every rank alike)."""
+        assert self.ranks is not None
+        if imported is None or self.prefix_cache is None:
+            self.ranks.send(command)
+            return
+        num_heads = self.model_config.linear_num_heads
+        shares = [imported.for_heads(rank_heads(num_heads, r, self.tp.size)) for r in range(1, self.tp.size)]
+        for rank, share in enumerate(shares, start=1):
+            self.ranks.send_to(rank, dataclasses.replace(command, imported_prefix=share))
 
     def _new_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None
@@ -558,7 +575,8 @@ class LLMEngine:
             self.ranks.send(FinishRequest(request_id, reason, stop_reason))
         request = self.requests.pop(request_id, None)
         if request is not None and not request.finished:
-            self.scheduler.finish(request, reason, stop_reason)
+            self.scheduler.finish(request, reason, stop_reason)  # retains what it computed
+        self._relay_retained()
 
     def shutdown(self) -> None:
         """End the other ranks' processes (a tensor-parallel engine); nothing to do with one rank."""
@@ -575,9 +593,23 @@ class LLMEngine:
 
     def set_retention_listener(self, fn: Callable[[RetainedPrefix], None] | None) -> None:
         """Call `fn` on the engine thread with a copy of each retained prefix's state (queue it,
-        never block); None stops. Without prefix caching nothing is ever retained."""
-        if self.prefix_cache is not None:
+        never block); None stops. Without prefix caching nothing is ever retained. A
+        tensor-parallel engine hands `fn` each prefix after the call that retained it, with every
+        rank's KDA heads as pieces naming them (parallel/retained.py)."""
+        if self.prefix_cache is None:
+            return
+        if self.ranks is None or self.driver_retained is None:
             self.prefix_cache.listener = fn
+            return
+        self.ranks.send(SetRetention(fn is not None))
+        self.driver_retained.listener = fn
+        self.prefix_cache.listener = None if fn is None else self.driver_retained.hold
+
+    def _relay_retained(self) -> None:
+        """Rank 0, after a call: the prefixes it retained, with every rank's shares, to the listener."""
+        if self.driver_retained is not None and self.driver_retained.held:
+            assert self.ranks is not None
+            self.driver_retained.complete(self.ranks.receive)
 
     def num_cached_prompt_tokens(
         self, prompt_token_ids: Sequence[int], prefix_hashes: list[bytes] | None = None
@@ -630,7 +662,9 @@ class LLMEngine:
         """
         if self.ranks is not None:
             self.ranks.send(Step())
-        return self._steps.step()
+        updates = self._steps.step()
+        self._relay_retained()  # a tensor-parallel engine: what the step retained, every rank's heads
+        return updates
 
     def relay_exports(self) -> None:
         """Rank 0, after a step's forward: the KDA shares every rank exported in it, relayed in order."""

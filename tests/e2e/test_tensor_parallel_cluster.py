@@ -1,7 +1,9 @@
 """Tensor parallelism in a real deployment (local Ray, real actors, gRPC, HTTP, the official openai
 client): a prefill pool at tensor_parallel 2 handing off to a decode pool at 1, the reverse, and both at
 2 with the prefill's experts spread over its ranks (expert_parallel), give the offline engine's greedy
-tokens, each decode rank reading its heads of the state from the store, ranks 1..N-1 running as Ray
+tokens, each decode rank reading its heads of the state from the store; a conversation's next turn
+is served from the turn the decode worker published at its width to a prefill at the other width
+(the cluster prefix cache across widths); ranks 1..N-1 running as Ray
 actors in their own bundles of the replica's placement group; and a decode rank's actor SIGKILLed
 mid-stream makes its worker unhealthy: the controller restarts the worker whole (a new rank actor in
 the same bundle) and its streams fail over, ending with the uninterrupted tokens."""
@@ -11,6 +13,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -18,11 +21,16 @@ import ray
 
 from deploy.launcher import run_cluster
 from splitserve import LLM, SamplingParams
+from splitserve.prefix_hash import prefix_hash_chain
+from splitserve.state.client import StateStoreClient
 from splitserve.tiny_model import make_tiny_model
-from tests.e2e.helpers import assert_idle, cluster_config, complete, openai_client, worker_stats
+from tests.e2e.helpers import MODEL, assert_idle, cluster_config, complete, openai_client, worker_stats
 from tests.e2e.test_decode_failover import GREEDY, NUM_TOKENS, Streams, _failovers
 
 NUM_NEW_TOKENS = 8
+UNIT = 16  # cache.prefix_unit: a turn's reply of 24 tokens beats the prefill's own hit by a unit
+REPLY_TOKENS = 24
+WAIT_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +65,7 @@ def _config(model_path, prefill_tp: int, decode_tp: int, expert_parallel: bool =
         "disaggregated",
         prefill={**pools, "tensor_parallel": prefill_tp, "expert_parallel": expert_parallel},
         decode={**pools, "tensor_parallel": decode_tp},
+        cache={"prefix_unit": UNIT},
     )
 
 
@@ -76,8 +85,38 @@ def test_tensor_parallel_pools_serve_the_offline_tokens(
         assert_idle(cluster)
         # every decode rank read its heads from the store itself: rank 0 forwarded no piece
         assert worker_stats(cluster, "decode", 0)["rank_forwarded_pieces"] == 0
+        if prefill_tp != decode_tp:
+            _the_next_turn_hits_the_store_across_widths(cluster, prompts[2], model_path)
         if decode_tp == 2 and not expert_parallel:  # once is enough
             _a_killed_rank_restarts_its_worker_whole(cluster, prompts, model_path)
+
+
+def _the_next_turn_hits_the_store_across_widths(cluster, first: list[int], model_path) -> None:
+    """Turn 1 ends on the decode worker, which publishes prompt + reply to the store at its width;
+    turn 2 re-sends them and goes on: the prefill worker, at the other width, streams that state in
+    (its own cache holds only turn 1's prompt) and gives the offline engine's tokens."""
+    client = openai_client(cluster.gateway_url)
+    params = {"max_tokens": REPLY_TOKENS, "temperature": 0.0}
+    reply = complete(client, first, params)
+    second = first + reply + [5, 6, 7]
+    chain = prefix_hash_chain(second, UNIT, MODEL.encode())  # the gateway's salt: the served name
+    turn_1 = len(first) + len(reply) - 1  # every token turn 1 computed (its last sample was not)
+    with StateStoreClient(cluster.status()["stores"][0]["address"]) as store:
+        deadline = time.monotonic() + WAIT_S
+        while store.match_prefix(chain, second[:-1]).num_tokens < turn_1:  # the publish is async
+            assert time.monotonic() < deadline, "the decode worker's finished turn never reached the store"
+            time.sleep(0.1)
+    assert worker_stats(cluster, "decode", 0)["prefix_published"] > 0
+    before = worker_stats(cluster, "prefill", 0)
+    got = complete(client, second, params)
+    llm = LLM(model=str(model_path), max_model_len=4096)
+    greedy = SamplingParams(temperature=0.0, max_tokens=REPLY_TOKENS, ignore_eos=True)
+    assert got == llm.generate(prompt_token_ids=[second], sampling_params=greedy)[0].outputs[0].token_ids
+    after = worker_stats(cluster, "prefill", 0)
+    assert after["prefix_store_hits"] == before["prefix_store_hits"] + 1
+    hit_tokens = after["prefix_store_hit_tokens"] - before["prefix_store_hit_tokens"]
+    assert hit_tokens == turn_1
+    print(f"store hit across widths: {hit_tokens} of {len(second)} prompt tokens served from the store")
 
 
 def _placement_group_id(_self) -> str:

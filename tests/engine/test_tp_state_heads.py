@@ -12,11 +12,11 @@ import torch
 
 from splitserve import SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
-from splitserve.engine.parallel.heads import assemble, narrow_heads, rank_heads
+from splitserve.engine.parallel.heads import assemble, check_every_head, narrow_heads, rank_heads, take_heads
 from splitserve.engine.state_codec import decode, decode_pieces, encode
 from splitserve.engine.state_transfer import LayerState, extract_kda
 from splitserve.engine_config import EngineConfig
-from splitserve.state import ChunkMeta, HeadRange, InvalidChunkError, StateKind
+from splitserve.state import ChunkMeta, CorruptStateError, HeadRange, InvalidChunkError, StateKind
 from splitserve.state.wire import chunk_from_proto, chunk_to_proto
 
 NUM_HEADS, HEAD_DIM, KEEP = 8, 4, 3
@@ -156,3 +156,29 @@ def test_two_ranks_shares_through_a_store_are_read_at_other_widths(tmp_path):
     finally:
         server.stop(grace_s=0)
         store.close()
+
+
+def test_a_rank_takes_its_heads_of_a_whole_state_from_pieces_of_any_width():
+    whole = _states()[:2]  # a conv window and a recurrent state
+    mla = LayerState(1, StateKind.MLA_KV, torch.randn(40, 6), 0, 40)
+    halves = [narrow_heads(s, rank_heads(NUM_HEADS, r, 2)) for s in whole for r in range(2)]
+    for want in (
+        rank_heads(NUM_HEADS, 1, 2),
+        rank_heads(NUM_HEADS, 3, 4),
+        HeadRange(0, NUM_HEADS, NUM_HEADS),
+    ):
+        taken = take_heads([mla, *halves], want)
+        assert taken[0] is mla  # MLA rows whole, as they were
+        for got, state in zip(taken[1:], whole):
+            expected = narrow_heads(state, want) if want.end - want.start < NUM_HEADS else state
+            torch.testing.assert_close(got.tensor, expected.tensor, atol=0, rtol=0)
+    assert take_heads(halves, rank_heads(NUM_HEADS, 1, 2))[0] is halves[1]  # an exact piece is not copied
+
+
+def test_a_state_missing_one_ranks_heads_is_refused():
+    pieces = [narrow_heads(s, rank_heads(NUM_HEADS, r, 4)) for s in _states()[:2] for r in (0, 1, 3)]
+    with pytest.raises(CorruptStateError, match="not every one of 8"):
+        check_every_head(pieces, NUM_HEADS)
+    with pytest.raises(CorruptStateError):
+        take_heads(pieces, rank_heads(NUM_HEADS, 1, 2))  # heads 4..5 are nowhere
+    check_every_head(pieces + [narrow_heads(_states()[i], rank_heads(NUM_HEADS, 2, 4)) for i in (0, 1)], 8)

@@ -7,6 +7,7 @@ import pytest
 from colocated_worker.actor import ColocatedWorkerActor
 from decode_worker.actor import DecodeWorkerActor
 from prefill_worker.actor import PrefillWorkerActor
+from splitserve import LLM, SamplingParams
 from splitserve.engine_config import EngineConfig
 from splitserve.tiny_model import make_tiny_model
 from state_store.config import StoreConfig
@@ -22,6 +23,17 @@ def model_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine_config(model_path):
     return EngineConfig(model=str(model_path), max_model_len=512, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def reference(engine_config):
+    """The offline engine (TP=1), caching off: the tokens every run must give."""
+    llm = LLM(model=engine_config.model, max_model_len=512)
+
+    def run(prompt: list[int], params: SamplingParams) -> list[int]:
+        return llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0].outputs[0].token_ids
+
+    return run
 
 
 @pytest.fixture(scope="module")

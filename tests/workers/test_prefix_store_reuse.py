@@ -9,7 +9,7 @@ import pytest
 
 from decode_worker.actor import DecodeWorkerActor
 from prefill_worker.actor import PrefillWorkerActor
-from splitserve import LLM, SamplingParams, wire
+from splitserve import SamplingParams, wire
 from splitserve.engine.prefix_cache.imported import ImportedPrefix
 from splitserve.prefix_hash import prefix_hash_chain
 from splitserve.state import StateKind
@@ -68,17 +68,6 @@ def node(caching_config):
         w.shutdown()
     server.stop(grace_s=0)
     store.close()
-
-
-@pytest.fixture(scope="module")
-def reference(engine_config):
-    """Caching off: the tokens every run must give."""
-    llm = LLM(model=engine_config.model, max_model_len=512)
-
-    def run(prompt: list[int], params: SamplingParams) -> list[int]:
-        return llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0].outputs[0].token_ids
-
-    return run
 
 
 def _published_on_a(workers, addresses, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:

@@ -8,4 +8,6 @@
 * `ranks.Ranks` (driver side, behind a launcher: `local_ranks` starts local processes for the
   offline engine, `actor_ranks` Ray actors in a cluster worker's placement-group bundles) and
   `rank_process.run_rank` (what each other rank runs).
+* `heads`, `handoff`, `retained`: a KDA state's heads per rank, and how a request's state (a
+  handoff) and a retained prefix (for the store) leave every rank and reach any other width.
 """

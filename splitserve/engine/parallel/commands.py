@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from splitserve.engine.parallel.handoff import StoreRead
 from splitserve.engine.parallel_sampling import SampleStart
+from splitserve.engine.prefix_cache.imported import ImportedPrefix
 from splitserve.engine.state_transfer import LayerState
 from splitserve.sampling_params import SamplingParams
 
@@ -43,7 +44,8 @@ class Command:
 
 @dataclass(frozen=True)
 class AddRequest(Command):
-    """`export_to_driver`: rank 0 exports the request's state; this rank's KDA shares go to it."""
+    """`export_to_driver`: rank 0 exports the request's state; this rank's KDA shares go to it.
+    `imported_prefix`: a stored prefix, this rank's heads of it (rank 0 cut it: `for_heads`)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -52,6 +54,7 @@ class AddRequest(Command):
     prefix_hashes: list[bytes] | None = None
     output_token_ids: list[int] | None = None
     export_to_driver: bool = False
+    imported_prefix: ImportedPrefix | None = None
 
     def apply(self, engine: LLMEngine) -> None:
         exports = engine.follower_exports
@@ -64,7 +67,21 @@ class AddRequest(Command):
             prefix_hashes=self.prefix_hashes,
             output_token_ids=self.output_token_ids,
             prefill_only=self.prefill_only,
+            imported_prefix=self.imported_prefix,
         )
+
+
+@dataclass(frozen=True)
+class SetRetention(Command):
+    """Rank 0's engine has a retention listener (`on`) or none: this rank keeps its KDA shares of
+    what it retains for rank 0 from now on, or stops (parallel/retained.py)."""
+
+    on: bool
+
+    def apply(self, engine: LLMEngine) -> None:
+        if engine.prefix_cache is not None and engine.follower_retained is not None:
+            engine.prefix_cache.listener = engine.follower_retained.keep if self.on else None
+            engine.prefix_cache.listener_wants_mla = False  # rank 0's latent is the same
 
 
 @dataclass(frozen=True)

@@ -124,3 +124,41 @@ def _with_heads(state: LayerState, heads: HeadRange) -> LayerState:
     """`state` naming `heads`, or no range when they are every head."""
     whole = heads.start == 0 and heads.end == heads.num_heads
     return dataclasses.replace(state, heads=None if whole else heads)
+
+
+def take_heads(states: Iterable[LayerState], want: HeadRange) -> list[LayerState]:
+    """A whole state's pieces (of any widths) as an engine holding heads `want` keeps them: every
+    MLA piece as is, and per KDA layer and kind the piece that holds exactly `want` (not copied) or
+    the overlap of the pieces that hold them (`assemble`). Raises CorruptStateError if a head is
+    missing."""
+    out: list[LayerState] = []
+    groups: dict[tuple[int, StateKind], list[LayerState]] = {}
+    for state in states:
+        if state.kind is StateKind.MLA_KV:
+            out.append(state)
+        else:
+            groups.setdefault((state.layer_id, StateKind(state.kind)), []).append(state)
+    for pieces in groups.values():
+        exact = [p for p in pieces if heads_of(p, want.num_heads) == want]
+        out.append(exact[0] if exact else assemble(pieces, want))
+    return out
+
+
+def check_every_head(states: Iterable[LayerState], num_heads: int) -> None:
+    """Raises CorruptStateError unless the KDA pieces of each layer and kind together hold every
+    one of `num_heads` heads (each rank of any width finds its own there); moves no tensor."""
+    held: dict[tuple[int, StateKind], list[HeadRange]] = {}
+    for state in states:
+        if state.kind is not StateKind.MLA_KV:
+            held.setdefault((state.layer_id, StateKind(state.kind)), []).append(heads_of(state, num_heads))
+    for (layer, kind), ranges in held.items():
+        covered = 0
+        for have in sorted(ranges):
+            if have.num_heads != num_heads or have.start > covered:
+                break
+            covered = max(covered, have.end)
+        if covered < num_heads:
+            raise CorruptStateError(
+                f"layer {layer} {kind.value}: the pieces hold heads {sorted(tuple(r) for r in ranges)}, "
+                f"not every one of {num_heads}"
+            )

@@ -61,6 +61,9 @@ def run_rank(conn: Connection) -> None:
         exports = engine.follower_exports
         if exports is not None and exports.pieces:  # rank 0 exported in this step too: it waits for these
             conn.send_bytes(pickle.dumps(exports.take()))
+        retained = engine.follower_retained
+        if retained is not None and retained.shares:  # after the exports: rank 0 reads them in this order
+            conn.send_bytes(pickle.dumps(retained.take()))
 
 
 def main() -> None:

@@ -65,6 +65,8 @@ class PrefixCache:
         self.policy = RetentionPolicy(unit, interval, selective, SeenSketch())
         self.stats = PrefixCacheStats()
         self.listener: Callable[[RetainedPrefix], None] | None = None
+        # False: the listener gets KDA states only (a tensor-parallel rank > 0: rank 0 has the MLA rows)
+        self.listener_wants_mla = True
         self._snaps: dict[bytes, _Snapshot] = {}
         self._dependents: dict[bytes, set[bytes]] = {}  # KV key -> snapshots needing it
         self._tails: dict[bytes, dict[int, int]] = {}  # parent key -> {tail length: entries}
@@ -300,7 +302,8 @@ class PrefixCache:
     def _retained(self, request: Request, chain: list[bytes], n: int) -> RetainedPrefix:
         assert request.state_slot is not None
         rows = token_rows(request.block_table, n, self.block_size)
-        states = [extract_mla_rows(self.caches, lid, rows, 0, n) for lid in self.caches.mla_kv]
+        mla = self.caches.mla_kv if self.listener_wants_mla else {}
+        states = [extract_mla_rows(self.caches, lid, rows, 0, n) for lid in mla]
         for lid in self.caches.kda_conv:
             states.extend(extract_kda(self.caches, lid, request.state_slot, n))
         tail = [request.token_at(p) for p in range(len(chain) * self.unit, n)]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from splitserve.engine.parallel.heads import take_heads
 from splitserve.engine.state_transfer import LayerState
-from splitserve.state import StateKind
+from splitserve.state import CorruptStateError, HeadRange, StateKind
 
 
 @dataclass
@@ -16,7 +17,9 @@ class ImportedPrefix:
     `hash_chain` names the whole prefix units it covers (`splitserve.prefix_hash`, the same salt
     as the request's chain). `states` holds every MLA layer's KV rows `token_start`..num_tokens
     (one piece or several, each with its token range) and every KDA layer's conv and recurrent
-    state at `num_tokens`. The engine scatters it into the request's blocks and slot when it
+    state at `num_tokens`, each whole or as pieces naming their heads (`LayerState.heads`: a
+    tensor-parallel engine published it, one piece per rank) that together hold every head; an
+    engine keeps its own heads of them (`for_heads`). The engine scatters it into the request's blocks and slot when it
     schedules the request, skips those tokens, and keeps the prefix in its own cache as if
     computed locally (without handing it to the retention listener: it came from there).
 
@@ -36,6 +39,16 @@ class ImportedPrefix:
     @property
     def num_bytes(self) -> int:
         return sum(state.num_bytes for state in self.states)
+
+    def for_heads(self, want: HeadRange) -> ImportedPrefix:
+        """This prefix as an engine (or tensor-parallel rank) holding KDA heads `want` takes it
+        (`heads.take_heads`: a piece holding exactly those is not copied). Raises ValueError if a
+        head is missing."""
+        try:
+            states = take_heads(self.states, want)
+        except CorruptStateError as exc:
+            raise ValueError(f"imported prefix of {self.num_tokens} tokens: {exc}") from exc
+        return dataclasses.replace(self, states=states)
 
     def delta_from(self, token_start: int) -> ImportedPrefix:
         """This prefix without the MLA rows before `token_start` (a delta over a local hit of at

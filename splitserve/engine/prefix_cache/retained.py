@@ -15,7 +15,8 @@ class RetainedPrefix:
     unit, such as a prompt end) are `tail_token_ids`, so `num_tokens == len(hash_chain) * unit +
     len(tail_token_ids)`. `states` are copies of every MLA layer's KV rows 0..num_tokens and every
     KDA layer's conv and recurrent state at `num_tokens` (on the engine's device: copy them to the
-    host on another thread, never on the engine's).
+    host on another thread, never on the engine's). A tensor-parallel engine's holds each KDA state
+    as one piece per rank, naming its heads (`LayerState.heads`; engine/parallel/retained.py).
     """
 
     hash_chain: list[bytes]

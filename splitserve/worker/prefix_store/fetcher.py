@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from splitserve.state import Chunk, StateKind, checksum
+from splitserve.state import Chunk, HeadRange, StateKind, checksum
 from splitserve.state.client import StateStoreClient
 from splitserve.state.errors import CorruptStateError, StateStoreError
 from splitserve.state.records import NO_PREFIX_MATCH, PrefixMatch
@@ -55,11 +55,21 @@ class PrefixFetcher:
 
     Promises: it returns either a whole state (every MLA layer's rows 0..num_tokens and every
     KDA layer's conv and recurrent state, each the shape and dtype of this engine's caches) or
-    None; a store that fails, a missing or corrupt piece, or a state of the wrong shape counts a
+    None. A state a tensor-parallel engine published holds each KDA state as pieces naming their
+    heads: every head must be there, and the engine's own `heads` (None: all) of them must fit its
+    caches; an engine holding every head gets them assembled, a tensor-parallel rank 0 the pieces
+    as stored (each rank takes its own: `ImportedPrefix.for_heads`). Else it returns None; a store that fails, a missing or corrupt piece, or a state of the wrong shape counts a
     failure and returns None, so the request is computed instead, never failed. Thread-safe.
     """
 
-    def __init__(self, caches: LayerCaches, timeout_s: float = 30.0, min_gain_tokens: int = 1) -> None:
+    def __init__(
+        self,
+        caches: LayerCaches,
+        timeout_s: float = 30.0,
+        min_gain_tokens: int = 1,
+        heads: HeadRange | None = None,
+    ) -> None:
+        self._heads = heads  # the KDA heads `caches` hold (a tensor-parallel rank's); None: all
         self._mla_layers = sorted(caches.mla_kv)
         self._kda_layers = sorted(caches.kda_conv)
         self._caches = caches
@@ -157,12 +167,13 @@ class PrefixFetcher:
             data = bytes(chunk.data)
             checksum.verify(data, chunk.meta.checksum, f"{chunk.meta.describe()} as copied")
             copies.append(Chunk(chunk.meta, data))
-        states = list(decode(copies))
-        self._check_whole(states, found)
+        states = self._check_whole(list(decode(copies)), found)
         return ImportedPrefix(found.num_tokens, list(hash_chain[: found.num_units]), states)
 
-    def _check_whole(self, states: list[LayerState], found: PrefixMatch) -> None:
-        """Raises `CorruptStateError` unless `states` are exactly this engine's whole prefix state."""
+    def _check_whole(self, states: list[LayerState], found: PrefixMatch) -> list[LayerState]:
+        """`states` as this engine imports them (see the class); raises `CorruptStateError` unless
+        they are exactly a whole prefix state of this engine's model."""
+        from splitserve.engine.parallel.heads import check_every_head, take_heads
         from splitserve.engine.state_transfer import cache_for
 
         expected = {(layer, StateKind.MLA_KV) for layer in self._mla_layers}
@@ -172,7 +183,8 @@ class PrefixFetcher:
             for kind in (StateKind.KDA_CONV, StateKind.KDA_RECURRENT)
         }
         got = {(s.layer_id, StateKind(s.kind)) for s in states}
-        if got != expected or len(states) != len(expected):
+        num_mla = sum(1 for s in states if s.kind is StateKind.MLA_KV)
+        if got != expected or num_mla != len(self._mla_layers):
             raise CorruptStateError(
                 f"key {found.key!r} holds {len(got)} layer states, this engine needs {len(expected)} "
                 f"(missing {sorted(expected - got)[:4]}, unexpected {sorted(got - expected)[:4]})"
@@ -186,7 +198,17 @@ class PrefixFetcher:
                     f"key {found.key!r} layer {state.layer_id} holds KV rows [{state.token_start}, "
                     f"{state.token_end}), its prefix covers [0, {found.num_tokens})"
                 )
+        named = [s.heads.num_heads for s in states if s.heads is not None]
+        num_heads = self._heads.num_heads if self._heads is not None else (named[0] if named else 0)
+        if not num_heads:  # whole states (a width-1 publisher) for an engine holding every head
+            here = states
+        else:
+            check_every_head(states, num_heads)
+            here = take_heads(states, self._heads or HeadRange(0, num_heads, num_heads))
+        for state in here:
             cache_for(self._caches, state)  # ValueError on a shape or dtype this engine does not cache
+        partial = self._heads is not None and self._heads.end - self._heads.start < num_heads
+        return states if partial else here  # a rank 0's other ranks take theirs from what is stored
 
     def _count(self, **deltas: float) -> None:
         with self._lock:

@@ -50,6 +50,14 @@ class PublisherStats:
     num_bytes: int = 0  # state bytes published
     num_held_past_wait: int = 0  # started with a prompt still waiting: the hold's wait ran out
 
+    def counters(self) -> dict[str, int]:
+        """What a worker's `stats` report of its publisher (deploy/README.md lists them)."""
+        return {
+            "prefix_published": self.num_published,
+            "prefix_publish_dropped": self.num_dropped,
+            "prefix_publish_failures": self.num_failed,
+        }
+
 
 class PrefixPublisher:
     """Owns a bounded queue of retained prefixes and the thread that writes them to one store.
@@ -127,10 +135,10 @@ class PrefixPublisher:
         client of its own), listening from now on; None when the engine caches no prefixes or
         there is no store. `yield_to_prefills` (a decode worker, whose prompts are the
         latency-critical part of its steps): each publish waits out the prompts the engine is
-        computing (`PrefillYield`). `detach` it before the loop stops. None for a tensor-parallel
-        engine too (its retained snapshots hold rank 0's heads only)."""
-        if not store_address or not loop.engine.config.enable_prefix_caching or loop.engine.tp.size > 1:
-            return None  # a tensor-parallel rank 0's snapshots hold its heads only: not for other workers
+        computing (`PrefillYield`). `detach` it before the loop stops. A tensor-parallel engine's
+        prefixes come with every rank's KDA heads, one piece per rank (engine/parallel/retained.py)."""
+        if not store_address or not loop.engine.config.enable_prefix_caching:
+            return None
         client = StateStoreClient(store_address, timeout_s=CLIENT_TIMEOUT_S)
         hold = PrefillYield(loop) if yield_to_prefills else None
         publisher = cls(client, worker_id, hold=hold)  # both on time.monotonic
