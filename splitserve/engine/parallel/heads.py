@@ -120,6 +120,31 @@ def assemble(pieces: Iterable[LayerState], want: HeadRange) -> LayerState:
     return _with_heads(state, want)
 
 
+def whole_heads(states: Iterable[LayerState]) -> list[LayerState]:
+    """`states` with the head-ranged pieces of each KDA (layer, kind, token range) assembled into
+    every head, in the place of the first; MLA rows and whole states as they are (a reader that
+    rebuilds the state itself: a stored resume, whose engine re-shards it on the way in)."""
+    out: list[LayerState | list[LayerState]] = []
+    groups: dict[tuple[int, StateKind, int, int], list[LayerState]] = {}
+    for state in states:
+        if state.heads is None:
+            out.append(state)
+            continue
+        key = (state.layer_id, state.kind, state.token_start, state.token_end)
+        if key not in groups:
+            groups[key] = []
+            out.append(groups[key])
+        groups[key].append(state)
+    return [s if isinstance(s, LayerState) else _every_head(s) for s in out]
+
+
+def _every_head(pieces: list[LayerState]) -> LayerState:
+    """Head-ranged pieces of one state assembled into all its heads."""
+    heads = pieces[0].heads
+    assert heads is not None
+    return assemble(pieces, HeadRange(0, heads.num_heads, heads.num_heads))
+
+
 def _with_heads(state: LayerState, heads: HeadRange) -> LayerState:
     """`state` naming `heads`, or no range when they are every head."""
     whole = heads.start == 0 and heads.end == heads.num_heads

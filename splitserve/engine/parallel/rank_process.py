@@ -61,6 +61,8 @@ def run_rank(conn: Connection) -> None:
         exports = engine.follower_exports
         if exports is not None and exports.pieces:  # rank 0 exported in this step too: it waits for these
             conn.send_bytes(pickle.dumps(exports.take()))
+        if engine.follower_replays:  # rank 0 collected the same publishes: it waits for these shares
+            conn.send_bytes(pickle.dumps(engine.take_follower_replays()))
 
 
 def main() -> None:
