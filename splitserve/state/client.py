@@ -91,9 +91,7 @@ class StateStoreClient:
             reply = self._call(lambda: self._stub.Arena(request, timeout=self.timeout_s))
             return dict(reply.region_addresses)
 
-        return RemoteRegions(
-            transport, TransportEndpoint(info.transfer_engine, info.transfer_endpoint), locate
-        )
+        return RemoteRegions(transport, TransportEndpoint(info.transfer_engine, info.transfer_endpoint), locate)
 
     def allocate(
         self,

@@ -100,7 +100,6 @@ def first_region_bytes(expected_bytes: int) -> int:
     """The first region of a writer that expects `expected_bytes` in all: those, plus padding."""
     return expected_bytes + SLACK_BYTES
 
-
 # (layer, kind name, num_bytes) -> the name of a fresh region of the store's arena for the key
 RegionAllocator = Callable[[int, str, int], str]
 
