@@ -380,20 +380,30 @@ class LLMEngine:
         first_token_id: int,
         first_logprobs: dict[int, float] | None = None,
         output_token_ids: list[int] | None = None,
+        recomputed_token_ids: list[int] | None = None,
     ) -> Request:
         """Every piece has arrived: the request joins the batch after its first token (the only
         work left for the engine thread; the state is already in place).
 
         `output_token_ids` (decode failover): tokens generated before `first_token_id`; the
-        reserved state covers prompt + these, and `first_token_id` is output token len(these)."""
+        reserved state covers prompt + these, and `first_token_id` is output token len(these).
+        `recomputed_token_ids` (a resume from stored state): tokens already sent after
+        `first_token_id`, which the engine computes (not samples) before it samples again."""
         if self.ranks is not None:  # every piece was forwarded before, or each rank reads its own
             command = AdmitTransferred(
-                request_id, list(prompt_token_ids), params, first_token_id, output_token_ids
+                request_id,
+                list(prompt_token_ids),
+                params,
+                first_token_id,
+                output_token_ids,
+                recomputed_token_ids=recomputed_token_ids,
             )
             self._admit_on_ranks(command)
-        return self._admit_transferred(
+        request = self._admit_transferred(
             request_id, prompt_token_ids, params, first_token_id, first_logprobs, output_token_ids
         )
+        request.output_token_ids.extend(recomputed_token_ids or [])
+        return request
 
     def _admit_on_ranks(self, command: AdmitTransferred) -> None:
         """Admit on every other rank; where they read the state themselves, wait until each has

@@ -120,6 +120,7 @@ class AdmitTransferred(Command):
     output_token_ids: list[int] | None = None
     starts: list[SampleStart] | None = None  # several samples: `admit_transferred_samples`
     ranks_read: bool = False
+    recomputed_token_ids: list[int] | None = None  # a stored resume's tokens sent after the first
 
     def answers(self) -> bool:
         return self.ranks_read
@@ -136,6 +137,7 @@ class AdmitTransferred(Command):
             self.params,
             self.first_token_id,
             output_token_ids=self.output_token_ids,
+            recomputed_token_ids=self.recomputed_token_ids,
         )
 
 
