@@ -11,6 +11,8 @@ axis once viewed as [P, h, R]:
 So a writer at one width names its share (`LayerState.heads`, carried by every chunk) and a reader
 at another takes, from each piece whose heads overlap its own, exactly the overlap (`copy_heads`,
 `assemble`): no rank gathers the whole state. MLA rows have no heads (every rank holds the latent).
+A reader that rebuilds a state itself (a stored resume: ReplaySSM pieces on a prompt state) takes
+every head of each (`whole_heads`) and lets its engine re-shard the result on the way in.
 """
 
 from __future__ import annotations
