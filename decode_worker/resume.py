@@ -162,8 +162,10 @@ class KeptStreams:
             self.publisher.begin(rid, key, base_states=stored.prompt_states)
 
         def admit(engine: LLMEngine) -> None:
-            req = engine.admit_transferred(rid, prompt, params, sent[m], output_token_ids=sent[:m])
-            req.output_token_ids.extend(sent[m + 1 :])  # sent after the state: computed, not sampled
+            # sent after the state: computed, not sampled (on every rank of a tensor-parallel engine)
+            engine.admit_transferred(
+                rid, prompt, params, sent[m], output_token_ids=sent[:m], recomputed_token_ids=sent[m + 1 :]
+            )
 
         try:
             self.loop.call(admit).result(timeout=30)

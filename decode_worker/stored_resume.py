@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.engine.parallel.heads import whole_heads
 from splitserve.engine.replay_codec import kda_key, mla_rows_from_states, piece_key, publish_from_states
 from splitserve.engine.replay_publish import ReplayPublish
 from splitserve.engine.replay_resume import resume_states
@@ -63,7 +64,8 @@ def read_stored_state(
 ) -> StoredState:
     """The state of `request_id` kept under `state_key`, as far as its pieces reach without
     covering the last of the `num_sent_tokens` tokens the client received (see the module docstring)."""
-    prompt_states = list(decode(client.get(state_key, timeout_s=timeout_s)))
+    # a tensor-parallel prefill's KDA shares name their heads: rebuilt whole, re-sharded on the way in
+    prompt_states = whole_heads(decode(client.get(state_key, timeout_s=timeout_s)))
     recurrent = [s for s in prompt_states if s.kind is StateKind.KDA_RECURRENT]
     if not recurrent or any(s.token_end != num_prompt_tokens for s in recurrent):
         raise CorruptStateError(

@@ -170,7 +170,9 @@ class DecodePoolConfig(PoolConfig):
     `replay_window`: KDA decode in ReplaySSM form with a ring of this many step records
     (engine/replay_ring.py); each decode worker then keeps every request's state in its node's
     store as it decodes (prompt state + a piece every window, decode_worker/replay_publisher.py),
-    and a failover resumes from it, recomputing fewer than this many tokens. 0 (the default) runs
+    and a failover resumes from it, recomputing fewer than this many tokens (at any
+    `tensor_parallel`: a tensor-parallel worker stores one KDA piece per rank naming its heads, and
+    the resuming worker, of any width, assembles them). 0 (the default) runs
     the plain recurrent path and failover re-prefills: on a CPU the rings cost about 20% of a
     tiny model's decode step (docs/PERFORMANCE.md sections 7 and 8).
     """
@@ -180,12 +182,3 @@ class DecodePoolConfig(PoolConfig):
     # ReplaySSM: KDA decode keeps a checkpoint + a ring of this many step records per layer
     # (0: the plain recurrent path)
     replay_window: int = Field(default=0, ge=0)
-
-    @model_validator(mode="after")
-    def _replay_on_one_rank(self) -> DecodePoolConfig:
-        if self.replay_window and self.tensor_parallel > 1:
-            raise ValueError(
-                "replay_window with tensor_parallel > 1: a rank's ReplaySSM records are not "
-                "published to the store; set replay_window: 0 (failover re-prefills)"
-            )
-        return self

@@ -26,6 +26,8 @@ from splitserve.engine.parallel.commands import (
     AddRequest,
     AdmitTransferred,
     FinishRequest,
+    FollowPublishes,
+    ListenReplays,
     PromptLogits,
     ReadTransferred,
     ReserveTransfer,
@@ -43,7 +45,12 @@ from splitserve.engine.parallel_sampling import SampleForker, SampleStart, make_
 from splitserve.engine.prefix_cache import ImportedPrefix, PrefixCacheStats, PrefixEvent, RetainedPrefix
 from splitserve.engine.prefix_cache.cache import PrefixCache, make_prefix_cache
 from splitserve.engine.prefix_cache.match import find_hit
-from splitserve.engine.replay_publish import ReplayListener, replay_publisher
+from splitserve.engine.replay_publish import (
+    PendingPublish,
+    ReplayLayerPiece,
+    ReplayListener,
+    replay_publisher,
+)
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
@@ -128,7 +135,12 @@ class LLMEngine:
             config, self.model, self.device, self.plan.num_blocks, self.plan.num_slots
         )
         self.caches = allocate_caches(self.plan, mc, self.device, scratch=self.padding is not None)
-        self.replay = replay_publisher(self.caches, config, self.device)  # None: plain KDA decode
+        # None: plain KDA decode; a tensor-parallel rank's KDA pieces name its heads, rank 0 alone gives MLA rows
+        heads = rank_heads(mc.linear_num_heads, tp.rank, tp.size) if tp.size > 1 else None
+        self.replay = replay_publisher(self.caches, config, self.device, heads, with_mla=tp.rank == 0)
+        self.follower_replays: list[
+            list[ReplayLayerPiece]
+        ] = []  # a rank > 0's shares of this step's publishes
         self.swapper = make_swapper(config, self.caches)  # None: preemption by recompute only
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -384,20 +396,30 @@ class LLMEngine:
         first_token_id: int,
         first_logprobs: dict[int, float] | None = None,
         output_token_ids: list[int] | None = None,
+        recomputed_token_ids: list[int] | None = None,
     ) -> Request:
         """Every piece has arrived: the request joins the batch after its first token (the only
         work left for the engine thread; the state is already in place).
 
         `output_token_ids` (decode failover): tokens generated before `first_token_id`; the
-        reserved state covers prompt + these, and `first_token_id` is output token len(these)."""
+        reserved state covers prompt + these, and `first_token_id` is output token len(these).
+        `recomputed_token_ids` (a resume from stored state): tokens already sent after
+        `first_token_id`, which the engine computes (not samples) before it samples again."""
         if self.ranks is not None:  # every piece was forwarded before, or each rank reads its own
             command = AdmitTransferred(
-                request_id, list(prompt_token_ids), params, first_token_id, output_token_ids
+                request_id,
+                list(prompt_token_ids),
+                params,
+                first_token_id,
+                output_token_ids,
+                recomputed_token_ids=recomputed_token_ids,
             )
             self._admit_on_ranks(command)
-        return self._admit_transferred(
+        request = self._admit_transferred(
             request_id, prompt_token_ids, params, first_token_id, first_logprobs, output_token_ids
         )
+        request.output_token_ids.extend(recomputed_token_ids or [])
+        return request
 
     def _admit_on_ranks(self, command: AdmitTransferred) -> None:
         """Admit on every other rank; where they read the state themselves, wait until each has
@@ -586,10 +608,13 @@ class LLMEngine:
     def set_replay_listener(self, fn: ReplayListener | None) -> None:
         """`fn` hears a `ReplayPublish` each time a decoding request's slot folds a full window
         (every `replay_window` tokens; engine/replay_publish.py), on the engine thread: queue it,
-        never block. Without `replay_window` nothing is ever published."""
+        never block. Without `replay_window` nothing is ever published. Set it between steps (a
+        tensor-parallel engine's ranks follow: they must collect the same publishes as this rank)."""
         if self.replay is None:
             raise ValueError("this engine decodes without ReplaySSM rings: set replay_window to publish")
         self.replay.listener = fn
+        if self.ranks is not None:  # the ranks collect the same publishes: their KDA shares come here
+            self.ranks.send(ListenReplays(fn is not None))
 
     def set_retention_listener(self, fn: Callable[[RetainedPrefix], None] | None) -> None:
         """Call `fn` on the engine thread with a copy of each retained prefix's state (queue it,
@@ -661,6 +686,8 @@ class LLMEngine:
         ranks of a tensor-parallel engine step with it (always synchronously).
         """
         if self.ranks is not None:
+            if self.replay is not None and (standing := self.replay.take_dropped()):
+                self.ranks.send(FollowPublishes(standing))  # publishes the listener refused last step
             self.ranks.send(Step())
         updates = self._steps.step()
         self._relay_retained()  # a tensor-parallel engine: what the step retained, every rank's heads
@@ -672,6 +699,29 @@ class LLMEngine:
             assert self.ranks is not None  # rank 0 exported KDA shares: so did every rank, in order
             for rank in range(1, self.tp.size):
                 self.driver_exports.relay(calls, self.ranks.receive(rank), rank)
+
+    def relay_replays(self, collected: list[PendingPublish]) -> None:
+        """Tensor parallel, once a step's publishes are collected (every rank collects the same):
+        rank 0 adds each other rank's KDA pieces to them, in order; a rank > 0 keeps its own for
+        its process to send rank 0 after the step."""
+        if not collected:
+            return
+        if self.tp.rank > 0:
+            self.follower_replays = [pending.publish.kda for pending in collected]
+        elif self.ranks is not None:
+            for rank in range(1, self.tp.size):
+                shares = self.ranks.receive(rank)
+                if len(shares) != len(collected):
+                    raise RuntimeError(
+                        f"rank {rank} collected {len(shares)} publishes this step; rank 0 {len(collected)}"
+                    )
+                for pending, kda in zip(collected, shares, strict=True):
+                    pending.publish.kda.extend(kda)
+
+    def take_follower_replays(self) -> list[list[ReplayLayerPiece]]:
+        """A rank > 0: its KDA pieces of the publishes of the step just run (see `relay_replays`)."""
+        shares, self.follower_replays = self.follower_replays, []
+        return shares
 
 
 def _model_config(config: EngineConfig) -> KimiLinearModelConfig:

@@ -22,6 +22,9 @@ state's metadata:
   range [0, num_tokens) (a whole state); records are stored as one tensor [n, H, Dk + Dv + Dk]
   (k, u and the cumulative log-decay side by side) with range [token_start, num_tokens), and
   token_start > 0 always (a piece starts at or after the prompt's end), which tells them apart.
+
+A tensor-parallel engine's KDA part holds each rank's share as states of their own naming their
+heads (`LayerState.heads`, engine/parallel/heads.py); a reader assembles them (`whole_heads`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from collections.abc import Iterable
 
 import torch
 
+from splitserve.engine.parallel.heads import whole_heads
 from splitserve.engine.replay_publish import ReplayLayerPiece, ReplayPublish
 from splitserve.engine.state_transfer import LayerState
 from splitserve.state import CorruptStateError, StateKind
@@ -65,13 +69,14 @@ def kda_states(publish: ReplayPublish) -> list[LayerState]:
     start, end = publish.token_start, publish.num_tokens
     states = []
     for piece in publish.kda:
-        states.append(LayerState(piece.layer_id, StateKind.KDA_CONV, piece.conv, start, end))
+        lid, heads = piece.layer_id, piece.heads
+        states.append(LayerState(lid, StateKind.KDA_CONV, piece.conv, start, end, heads=heads))
         if piece.checkpoint is not None:
-            states.append(LayerState(piece.layer_id, StateKind.KDA_RECURRENT, piece.checkpoint, 0, end))
+            states.append(LayerState(lid, StateKind.KDA_RECURRENT, piece.checkpoint, 0, end, heads=heads))
         else:
             assert piece.k is not None and piece.u is not None and piece.g_cum is not None
             records = torch.cat([piece.k, piece.u, piece.g_cum], dim=-1)
-            states.append(LayerState(piece.layer_id, StateKind.KDA_RECURRENT, records, start, end))
+            states.append(LayerState(lid, StateKind.KDA_RECURRENT, records, start, end, heads=heads))
     return states
 
 
@@ -79,13 +84,15 @@ def publish_from_states(
     request_id: str, states: Iterable[LayerState], head_dims: tuple[int, int]
 ) -> ReplayPublish:
     """The `ReplayPublish` stored as `states` (as `state_codec.decode_pieces` yields them: MLA rows
-    may come in several pieces). `head_dims` is (Dk, Dv) of a KDA layer's recurrent state, to cut
-    records apart. Raises CorruptStateError when the states do not make one piece."""
+    may come in several pieces; a tensor-parallel engine's KDA parts as one piece per rank, each
+    naming its heads: they are assembled into every head). `head_dims` is (Dk, Dv) of a KDA
+    layer's recurrent state, to cut records apart. Raises CorruptStateError when the states do
+    not make one piece."""
     dk, dv = head_dims
     rows: dict[int, list[LayerState]] = {}
     conv: dict[int, LayerState] = {}
     recurrent: dict[int, LayerState] = {}
-    for state in states:
+    for state in whole_heads(states):
         if state.kind is StateKind.MLA_KV:
             rows.setdefault(state.layer_id, []).append(state)
         else:

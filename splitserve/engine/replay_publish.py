@@ -26,13 +26,15 @@ from splitserve.engine.replay_ring import ReplayRing
 from splitserve.engine.request import Request
 from splitserve.engine.state_transfer import LayerState, extract_mla_rows, token_rows
 from splitserve.engine_config import EngineConfig
+from splitserve.state import HeadRange
 
 
 @dataclass
 class ReplayLayerPiece:
     """One KDA layer's part of a publish: records `(k, u, G)` ([n, H, D] fp32, `G` the cumulative
     log-decay since the state at `token_start`) XOR the recurrent state at `num_tokens`
-    (`checkpoint`), and the conv state at `num_tokens`."""
+    (`checkpoint`), and the conv state at `num_tokens`; `heads`: the heads a tensor-parallel
+    rank's piece holds (None: every head; a TP engine's publish has one piece per rank and layer)."""
 
     layer_id: int
     conv: torch.Tensor
@@ -40,6 +42,7 @@ class ReplayLayerPiece:
     u: torch.Tensor | None = None
     g_cum: torch.Tensor | None = None
     checkpoint: torch.Tensor | None = None
+    heads: HeadRange | None = None
 
     @property
     def num_bytes(self) -> int:
@@ -89,11 +92,21 @@ class ReplayPublisher:
     """Builds the publishes of one engine after each step (engine thread); remembers per request
     where its last publish ended."""
 
-    def __init__(self, caches: LayerCaches, ring: ReplayRing, block_size: int) -> None:
+    def __init__(
+        self,
+        caches: LayerCaches,
+        ring: ReplayRing,
+        block_size: int,
+        heads: HeadRange | None = None,
+        with_mla: bool = True,
+    ) -> None:
         self.caches = caches
         self.ring = ring
         self.block_size = block_size
+        self.heads = heads  # a tensor-parallel rank's heads, named by each KDA piece (None: every head)
+        self.with_mla = with_mla  # False on a rank past the first: rank 0 publishes the MLA rows
         self.listener: ReplayListener | None = None
+        self.dropped: list[str] = []  # ids whose publish the listener refused since `take_dropped`
         # request id -> (its arrival number, where its last publish ended, where its last
         # checkpoint is); the arrival tells a request from an earlier one of the same id (an
         # abort leaves its entry behind)
@@ -134,6 +147,23 @@ class ReplayPublisher:
                     pending.publish.num_tokens,
                     pending.checkpoint_at,
                 )
+            elif self.heads is not None:  # tensor parallel: the other ranks must follow (`take_dropped`)
+                self.dropped.append(req.request_id)
+
+    def take_dropped(self) -> dict[str, tuple[int, int, int] | None]:
+        """Where each request whose publish the listener refused since the last call stands now
+        (None: nowhere), for a tensor-parallel engine's ranks to take (`follow`)."""
+        dropped, self.dropped = self.dropped, []
+        return {rid: self._published_to.get(rid) for rid in dropped}
+
+    def follow(self, standing: dict[str, tuple[int, int, int] | None]) -> None:
+        """Take rank 0's standing of the requests whose publish its listener refused (a rank's own
+        listener keeps every one), so every rank's next publishes start at the same token."""
+        for rid, entry in standing.items():
+            if entry is None:
+                self._published_to.pop(rid, None)
+            else:
+                self._published_to[rid] = entry
 
     def records_fit(self, num_tokens: int) -> bool:
         """Whether records of `num_tokens` tokens (`n x H x (2 Dk + Dv)` per layer) cost no more
@@ -154,22 +184,29 @@ class ReplayPublisher:
         extends = end - window == start and self.records_fit(end - checkpoint_at)
         kda = []
         for lid, layer in self.ring.layers.items():
-            piece = ReplayLayerPiece(lid, self.caches.kda_conv[lid][slot].clone())
+            piece = ReplayLayerPiece(lid, self.caches.kda_conv[lid][slot].clone(), heads=self.heads)
             if extends:
                 piece.k, piece.u, piece.g_cum = layer.records(slot, window)
             else:
                 piece.checkpoint = layer.checkpoint[slot].clone()
             kda.append(piece)
-        rows = token_rows(req.block_table, end, self.block_size, start)
-        mla = [extract_mla_rows(self.caches, lid, rows, start, end) for lid in self.caches.mla_kv]
+        mla = []
+        if self.with_mla:
+            rows = token_rows(req.block_table, end, self.block_size, start)
+            mla = [extract_mla_rows(self.caches, lid, rows, start, end) for lid in self.caches.mla_kv]
         return ReplayPublish(req.request_id, start, end, kda, mla), checkpoint_at if extends else end
 
 
 def replay_publisher(
-    caches: LayerCaches, config: EngineConfig, device: torch.device
+    caches: LayerCaches,
+    config: EngineConfig,
+    device: torch.device,
+    heads: HeadRange | None = None,
+    with_mla: bool = True,
 ) -> ReplayPublisher | None:
-    """Rings for every KDA slot and their publisher when `config.replay_window` > 0, else None."""
+    """Rings for every KDA slot and their publisher when `config.replay_window` > 0, else None
+    (`heads`, `with_mla`: a tensor-parallel rank's, see `ReplayPublisher`)."""
     if not config.replay_window or not caches.kda_recurrent:
         return None
     caches.replay = ReplayRing.allocate(caches.kda_recurrent, config.replay_window, device)
-    return ReplayPublisher(caches, caches.replay, config.block_size)
+    return ReplayPublisher(caches, caches.replay, config.block_size, heads, with_mla)

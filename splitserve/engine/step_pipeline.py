@@ -116,6 +116,7 @@ class StepPipeline:
         self.engine.scheduler.after_step(launched.output)  # its inputs' tokens are all known now
         if self.engine.replay is not None:
             launched.publishes = self.engine.replay.collect([s.request for s in launched.output.scheduled])
+            self.engine.relay_replays(launched.publishes)  # tensor parallel: every rank's KDA heads of them
         if self.overlap and not launched.needs_tokens and self.engine.scheduler.has_next_step:
             self._in_flight = launched
         else:

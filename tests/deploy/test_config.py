@@ -212,6 +212,13 @@ def test_a_tensor_parallel_pool_on_gpus_reserves_a_gpu_per_rank(tmp_path):
     assert required_resources(config)["GPU"] == 5  # prefill 1 x 2 ranks + decode 3 x 1
 
 
+def test_a_tensor_parallel_decode_pool_keeps_stored_state(tmp_path):
+    """ReplaySSM publishes work at any width (each rank's KDA heads are stored as pieces of their own)."""
+    config = load_config(write(tmp_path, "decode: {tensor_parallel: 2, replay_window: 8}"))
+    engine = config.engine_config("decode", model_path="m")
+    assert (engine.tensor_parallel_size, engine.replay_window) == (2, 8)
+
+
 @pytest.mark.parametrize(
     "section,message",
     [
@@ -223,7 +230,6 @@ def test_a_tensor_parallel_pool_on_gpus_reserves_a_gpu_per_rank(tmp_path):
             "prefill: {tensor_parallel: 2, preemption_mode: swap}",
             "prefill: preemption_mode swap with tensor_parallel > 1",
         ),
-        ("decode: {tensor_parallel: 2, replay_window: 8}", "decode: replay_window with tensor_parallel > 1"),
         (
             "decode: {tensor_parallel: 2, num_gpus: 0.5}",
             "decode: num_gpus 0.5 with tensor_parallel 2: each rank takes a whole GPU of its own",

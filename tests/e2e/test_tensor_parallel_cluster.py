@@ -6,7 +6,8 @@ is served from the turn the decode worker published at its width to a prefill at
 (the cluster prefix cache across widths); ranks 1..N-1 running as Ray
 actors in their own bundles of the replica's placement group; and a decode rank's actor SIGKILLed
 mid-stream makes its worker unhealthy: the controller restarts the worker whole (a new rank actor in
-the same bundle) and its streams fail over, ending with the uninterrupted tokens."""
+the same bundle) and its streams resume from the ReplaySSM state its ranks stored, ending with the
+uninterrupted tokens."""
 
 from __future__ import annotations
 
@@ -25,7 +26,14 @@ from splitserve.prefix_hash import prefix_hash_chain
 from splitserve.state.client import StateStoreClient
 from splitserve.tiny_model import make_tiny_model
 from tests.e2e.helpers import MODEL, assert_idle, cluster_config, complete, openai_client, worker_stats
-from tests.e2e.test_decode_failover import GREEDY, NUM_TOKENS, Streams, _failovers
+from tests.e2e.test_decode_failover import (
+    GREEDY,
+    NUM_BEFORE_KILL_STORED,
+    NUM_TOKENS,
+    REPLAY_WINDOW,
+    Streams,
+    _failovers,
+)
 
 NUM_NEW_TOKENS = 8
 UNIT = 16  # cache.prefix_unit: a turn's reply of 24 tokens beats the prefill's own hit by a unit
@@ -58,13 +66,15 @@ def _serve(cluster, prompts):
         return list(pool.map(lambda p: complete(client, p, params), prompts))
 
 
-def _config(model_path, prefill_tp: int, decode_tp: int, expert_parallel: bool = False):
+def _config(
+    model_path, prefill_tp: int, decode_tp: int, expert_parallel: bool = False, replay_window: int = 0
+):
     pools = {"num_cpus": 0.5, "kv_cache_memory_bytes": "32MiB", "max_num_seqs": 8}
     return cluster_config(
         model_path,
         "disaggregated",
         prefill={**pools, "tensor_parallel": prefill_tp, "expert_parallel": expert_parallel},
-        decode={**pools, "tensor_parallel": decode_tp},
+        decode={**pools, "tensor_parallel": decode_tp, "replay_window": replay_window},
         cache={"prefix_unit": UNIT},
     )
 
@@ -73,7 +83,10 @@ def _config(model_path, prefill_tp: int, decode_tp: int, expert_parallel: bool =
 def test_tensor_parallel_pools_serve_the_offline_tokens(
     local_ray, model_path, prompts, offline_tokens, prefill_tp, decode_tp, expert_parallel
 ):
-    with run_cluster(_config(model_path, prefill_tp, decode_tp, expert_parallel)) as cluster:
+    kill_test = decode_tp == 2 and not expert_parallel  # once is enough
+    # there the decode ranks keep stored state (ReplaySSM pieces, each rank's heads): the failover resumes from it
+    replay_window = REPLAY_WINDOW if kill_test else 0
+    with run_cluster(_config(model_path, prefill_tp, decode_tp, expert_parallel, replay_window)) as cluster:
         pools = cluster.status()["pools"]
         assert (pools["prefill"]["tensor_parallel"], pools["decode"]["tensor_parallel"]) == (
             prefill_tp,
@@ -87,7 +100,7 @@ def test_tensor_parallel_pools_serve_the_offline_tokens(
         assert worker_stats(cluster, "decode", 0)["rank_forwarded_pieces"] == 0
         if prefill_tp != decode_tp:
             _the_next_turn_hits_the_store_across_widths(cluster, prompts[2], model_path)
-        if decode_tp == 2 and not expert_parallel:  # once is enough
+        if kill_test:
             _a_killed_rank_restarts_its_worker_whole(cluster, prompts, model_path)
 
 
@@ -146,12 +159,14 @@ def _ranks_are_actors_in_the_replicas_bundles(cluster, pool: str, size: int) -> 
 
 def _a_killed_rank_restarts_its_worker_whole(cluster, prompts, model_path):
     """SIGKILL of the decode worker's rank while 4 greedy streams run on it: the worker restarts whole
-    (a new rank process), and the streams fail over onto it and end with the uninterrupted tokens."""
+    (a new rank process), and the streams fail over onto it from the state the worker's ranks stored
+    (the lost worker's engine died: it kept that state) and end with the uninterrupted tokens."""
     url = cluster.gateway_url
-    resumed_before = _failovers(url, "resumed")
+    stored_before = _failovers(url, "resumed", "stored_state")
+    reprefilled_before = _failovers(url, "resumed", "reprefill")
     (rank_pid,) = worker_stats(cluster, "decode", 0)["rank_pids"]
     streams = Streams(url, prompts, GREEDY)
-    streams.wait_until_all_have(3)  # every stream is decoding on the TP worker, none has ended
+    streams.wait_until_all_have(NUM_BEFORE_KILL_STORED)  # past a window: pieces stored, none has ended
     os.kill(rank_pid, signal.SIGKILL)
     results = streams.finish()
     assert not [s.error for s in results if s.error]
@@ -161,7 +176,10 @@ def _a_killed_rank_restarts_its_worker_whole(cluster, prompts, model_path):
         o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)
     ]
     assert [s.token_ids for s in results] == expected
-    assert _failovers(url, "resumed") > resumed_before  # the kill landed on running streams
+    # the kill landed on running streams, each resumed from what the TP worker stored (a resume
+    # tried while the worker restarts counts as failed: no worker answered yet, it is tried again)
+    assert _failovers(url, "resumed", "stored_state") == stored_before + len(prompts)
+    assert _failovers(url, "resumed", "reprefill") == reprefilled_before
     decode = cluster.status()["pools"]["decode"]
     assert decode["restarts"] == 1 and decode["healthy"], decode
     (new_pid,) = worker_stats(cluster, "decode", 0)["rank_pids"]

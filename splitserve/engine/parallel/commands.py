@@ -137,6 +137,7 @@ class AdmitTransferred(Command):
     output_token_ids: list[int] | None = None
     starts: list[SampleStart] | None = None  # several samples: `admit_transferred_samples`
     ranks_read: bool = False
+    recomputed_token_ids: list[int] | None = None  # a stored resume's tokens sent after the first
 
     def answers(self) -> bool:
         return self.ranks_read
@@ -153,6 +154,7 @@ class AdmitTransferred(Command):
             self.params,
             self.first_token_id,
             output_token_ids=self.output_token_ids,
+            recomputed_token_ids=self.recomputed_token_ids,
         )
 
 
@@ -182,6 +184,36 @@ class Step(Command):
 
     def apply(self, engine: LLMEngine) -> None:
         engine.step()
+
+
+@dataclass(frozen=True)
+class ListenReplays(Command):
+    """Rank 0's replay listener was set (`on`) or cleared: each rank collects the same publishes
+    (its listener keeps every one), its KDA pieces of them sent to rank 0 after each step."""
+
+    must_succeed = True
+    on: bool
+
+    def apply(self, engine: LLMEngine) -> None:
+        assert engine.replay is not None  # the ranks share rank 0's config
+        engine.replay.listener = _keep if self.on else None
+
+
+def _keep(publish: object) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class FollowPublishes(Command):
+    """Rank 0's listener refused these requests' publishes (its queue was full): each rank takes
+    where they stand on rank 0, so their next publishes start at the same token there too."""
+
+    must_succeed = True
+    standing: dict[str, tuple[int, int, int] | None]
+
+    def apply(self, engine: LLMEngine) -> None:
+        assert engine.replay is not None
+        engine.replay.follow(self.standing)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ axis once viewed as [P, h, R]:
 So a writer at one width names its share (`LayerState.heads`, carried by every chunk) and a reader
 at another takes, from each piece whose heads overlap its own, exactly the overlap (`copy_heads`,
 `assemble`): no rank gathers the whole state. MLA rows have no heads (every rank holds the latent).
+A reader that rebuilds a state itself (a stored resume: ReplaySSM pieces on a prompt state) takes
+every head of each (`whole_heads`) and lets its engine re-shard the result on the way in.
 """
 
 from __future__ import annotations
@@ -118,6 +120,31 @@ def assemble(pieces: Iterable[LayerState], want: HeadRange) -> LayerState:
         first.layer_id, first.kind, out, first.token_start, first.token_end, first.num_prompt_tokens
     )
     return _with_heads(state, want)
+
+
+def whole_heads(states: Iterable[LayerState]) -> list[LayerState]:
+    """`states` with the head-ranged pieces of each KDA (layer, kind, token range) assembled into
+    every head, in the place of the first; MLA rows and whole states as they are (a reader that
+    rebuilds the state itself: a stored resume, whose engine re-shards it on the way in)."""
+    out: list[LayerState | list[LayerState]] = []
+    groups: dict[tuple[int, StateKind, int, int], list[LayerState]] = {}
+    for state in states:
+        if state.heads is None:
+            out.append(state)
+            continue
+        key = (state.layer_id, state.kind, state.token_start, state.token_end)
+        if key not in groups:
+            groups[key] = []
+            out.append(groups[key])
+        groups[key].append(state)
+    return [s if isinstance(s, LayerState) else _every_head(s) for s in out]
+
+
+def _every_head(pieces: list[LayerState]) -> LayerState:
+    """Head-ranged pieces of one state assembled into all its heads."""
+    heads = pieces[0].heads
+    assert heads is not None
+    return assemble(pieces, HeadRange(0, heads.num_heads, heads.num_heads))
 
 
 def _with_heads(state: LayerState, heads: HeadRange) -> LayerState:

@@ -61,8 +61,12 @@ def run_rank(conn: Connection) -> None:
         exports = engine.follower_exports
         if exports is not None and exports.pieces:  # rank 0 exported in this step too: it waits for these
             conn.send_bytes(pickle.dumps(exports.take()))
+        # rank 0 reads a step's messages in this order: exports (after the forward), ReplaySSM
+        # shares (once the step's publishes are collected), retained prefixes (after the step)
+        if engine.follower_replays:  # rank 0 collected the same publishes: it waits for these shares
+            conn.send_bytes(pickle.dumps(engine.take_follower_replays()))
         retained = engine.follower_retained
-        if retained is not None and retained.shares:  # after the exports: rank 0 reads them in this order
+        if retained is not None and retained.shares:
             conn.send_bytes(pickle.dumps(retained.take()))
 
 
