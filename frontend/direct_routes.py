@@ -41,7 +41,7 @@ class DirectRoute:
     endpoint: Endpoint
 
     @classmethod
-    def of(cls, endpoint: Endpoint) -> DirectRoute:
+    def of(cls, endpoint: Callable[..., Awaitable[Response]]) -> DirectRoute:
         """The route of `endpoint`, checked to take (body: a model, raw: Request, pipeline: PipelineDep)."""
         hints = typing.get_type_hints(endpoint, include_extras=True)
         names = list(inspect.signature(endpoint).parameters)
