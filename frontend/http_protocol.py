@@ -14,8 +14,6 @@ the gateway's error body on what never reaches the app.
   (`ConnectionLimits.per_process_cap`), so together they never admit more than the cap.
 * A request that is not valid HTTP/1.1 (two Content-Lengths, a negative one, a broken chunk) is
   answered in the OpenAI error shape, not with uvicorn's plain text.
-* What a response writes in one turn of the event loop leaves in one write (`CorkedTransport`):
-  a one-token stream's head, body and end in one system call instead of three.
 
 On the fast path this costs no timer work per read: a read moves a timestamp (a request read
 whole in one read does nothing more), and each connection has at most one timer pending, which on
@@ -125,41 +123,6 @@ class GatewayHTTPConfig(uvicorn.Config):
         self.on_refusal = on_refusal
 
 
-class CorkedTransport:
-    """A connection's transport whose writes within one turn of the event loop leave as one write,
-    at the start of the next turn: uvicorn writes a response's head, each body part and its end
-    apart, a system call each (three for a one-token stream). `close` and `write_eof` send what is
-    pending first; the rest is the transport's own."""
-
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        self._transport = transport
-        self._loop = loop
-        self._pending: list[bytes] = []
-
-    def write(self, data: bytes) -> None:
-        if not data:
-            return
-        if not self._pending:
-            self._loop.call_soon(self.flush)
-        self._pending.append(data)
-
-    def flush(self) -> None:
-        pending, self._pending = self._pending, []
-        if pending and not self._transport.is_closing():  # closing: the peer is gone, or we sent all
-            self._transport.write(b"".join(pending))
-
-    def close(self) -> None:
-        self.flush()
-        self._transport.close()
-
-    def write_eof(self) -> None:
-        self.flush()
-        self._transport.write_eof()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
-
-
 class GatewayH11Protocol(H11Protocol):
     """One client connection: uvicorn's h11 protocol plus read deadlines, the per-client cap and
     JSON errors for malformed requests. Needs a `GatewayHTTPConfig`."""
@@ -189,7 +152,6 @@ class GatewayH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self.transport = CorkedTransport(transport, self.loop)  # type: ignore[assignment]
         host = self.client[0] if self.client else None  # None on a Unix socket: no cap
         if host is not None:
             if not self.clients.admit(host):
