@@ -130,7 +130,8 @@ def _serve_gateway(
     from frontend.settings import GatewaySettings
 
     router = LeastLoadRouter([worker_address], [worker_address])
-    server = GatewayServer(build_app(GatewaySettings(**settings), tokenizer_path, router), "127.0.0.1", 0)
+    app = build_app(GatewaySettings(**settings), tokenizer_path, router)
+    server = GatewayServer(app, "127.0.0.1", 0, freeze_heap=True)  # as the gateway actor serves
     server.start()
     try:
         conn.send(server.url)

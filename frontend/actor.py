@@ -42,7 +42,9 @@ class GatewayActor:
             return self._server.address
         host = self.settings.host if host is None else host
         port = self.settings.port if port is None else port
-        self._server = GatewayServer(self.app, host, port, shared=self.settings.num_gateways > 1)
+        self._server = GatewayServer(
+            self.app, host, port, shared=self.settings.num_gateways > 1, freeze_heap=True
+        )
         return self._server.start()
 
     def use_ledger(self, ledger: Any, gateway_index: int) -> None:

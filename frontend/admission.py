@@ -13,7 +13,6 @@ import threading
 import time
 
 from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from frontend.errors import error_body
 
@@ -65,27 +64,8 @@ class Admission:
             return self._num_in_flight
 
 
-class AdmissionMiddleware:
-    """ASGI middleware: counts generation requests through `Admission`; 503 once it is closed."""
-
-    def __init__(self, app: ASGIApp, admission: Admission) -> None:
-        self.app = app
-        self.admission = admission
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("path") not in GENERATION_ROUTES:
-            await self.app(scope, receive, send)
-            return
-        if not self.admission.try_admit():
-            await _DRAINING(scope, receive, send)
-            return
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.admission.release()
-
-
-_DRAINING = JSONResponse(
+# The answer to a generation request once the gateway drains (frontend.front_door sends it).
+DRAINING = JSONResponse(
     error_body(
         503, "the gateway is shutting down and takes no new requests; retry elsewhere", None, "draining"
     ),

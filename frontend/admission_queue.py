@@ -29,10 +29,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from prometheus_client import Counter, Gauge, Histogram
-
 from frontend.errors import RETRY_AFTER_S, GatewayError, over_capacity
 from frontend.metrics import GatewayMetrics
+from frontend.series import Counter, Gauge, Histogram
 
 logger = logging.getLogger(__name__)
 

@@ -15,19 +15,20 @@ from pathlib import Path
 
 from fastapi import Depends, FastAPI
 
-from frontend.admission import Admission, AdmissionMiddleware
+from frontend.admission import Admission
 from frontend.admission_queue import AdmissionQueue, QueueMetrics, SlotAdmission
 from frontend.auth import api_key_checker
 from frontend.body_limit import BodyLimit
 from frontend.cache_monitor import CacheMonitor
 from frontend.clients import WorkerClients
+from frontend.direct_routes import DirectRoute, DirectRoutes
 from frontend.errors import install_error_handlers
+from frontend.front_door import FrontDoor
 from frontend.generate import Pipeline
 from frontend.load_monitor import LoadMonitor
 from frontend.metrics import GatewayMetrics
 from frontend.openapi import install_openapi
 from frontend.prefix_metrics import PrefixMetrics
-from frontend.response_counter import CountResponses
 from frontend.router import Router, make_router
 from frontend.routes import chat, completions, health, metrics, models
 from frontend.schema_bounds import Bounds
@@ -74,15 +75,23 @@ def build_app(
     install_error_handlers(app, gateway_metrics.observe_refusal)
     vocab_size = tokenizer.vocab_size if tokenizer is not None else None
     install_openapi(app, Bounds(settings.max_model_len, settings.prompt_chars_limit, vocab_size))
-    refusal = gateway_metrics.observe_refusal
-    app.add_middleware(BodyLimit, max_request_bytes=settings.max_request_bytes, on_refusal=refusal)
-    app.add_middleware(AdmissionMiddleware, admission=admission)
-    app.add_middleware(CountResponses, metrics=gateway_metrics)  # outermost: counts the draining 503s too
     app.include_router(health.router)
     app.include_router(metrics.router)
-    auth = [Depends(api_key_checker(settings.api_keys))]
+    check_key = api_key_checker(settings.api_keys)
     for api in (models, completions, chat):
-        app.include_router(api.router, dependencies=auth)
+        app.include_router(api.router, dependencies=[Depends(check_key)])
+    # the generation routes' well-formed requests skip FastAPI's routing (frontend.direct_routes)
+    direct = DirectRoutes(
+        {
+            "/v1/completions": DirectRoute.of(completions.completions),
+            "/v1/chat/completions": DirectRoute.of(chat.chat_completions),
+        },
+        check_key,
+    )
+    body_limit = BodyLimit(settings.max_request_bytes, gateway_metrics.observe_refusal)
+    app.add_middleware(
+        FrontDoor, metrics=gateway_metrics, admission=admission, body_limit=body_limit, direct=direct
+    )
     return app
 
 

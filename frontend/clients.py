@@ -71,6 +71,8 @@ class WorkerClients:
     def __init__(self, rpc_timeout_s: float = 10.0) -> None:
         self.rpc_timeout_s = rpc_timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
+        # each channel's stubs, made once (a stub builds a callable per method)
+        self._stubs: dict[str, tuple[prefill_pb2_grpc.PrefillStub, decode_pb2_grpc.DecodeStub]] = {}
         self._num_calls: dict[str, int] = {}  # calls (streams included) in flight, by address
 
     @property
@@ -83,6 +85,7 @@ class WorkerClients:
         gone = [a for a in self._channels if a not in keep and not self._num_calls.get(a)]
         for address in gone:
             self._num_calls.pop(address, None)
+            self._stubs.pop(address, None)
             await self._channels.pop(address).close()
         return len(gone)
 
@@ -106,11 +109,21 @@ class WorkerClients:
             self._channels[address] = channel
         return channel
 
+    def _stubs_of(self, address: str) -> tuple[prefill_pb2_grpc.PrefillStub, decode_pb2_grpc.DecodeStub]:
+        stubs = self._stubs.get(address)
+        if stubs is None:
+            channel = self._channel(address)
+            stubs = self._stubs[address] = (
+                prefill_pb2_grpc.PrefillStub(channel),
+                decode_pb2_grpc.DecodeStub(channel),
+            )
+        return stubs
+
     def _decode(self, address: str) -> decode_pb2_grpc.DecodeStub:
-        return decode_pb2_grpc.DecodeStub(self._channel(address))
+        return self._stubs_of(address)[1]
 
     def _prefill(self, address: str) -> prefill_pb2_grpc.PrefillStub:
-        return prefill_pb2_grpc.PrefillStub(self._channel(address))
+        return self._stubs_of(address)[0]
 
     async def reserve(self, address: str, request: decode_pb2.ReserveRequest) -> decode_pb2.ReserveResponse:
         call = self._decode(address).Reserve(request, timeout=self.rpc_timeout_s)
@@ -173,6 +186,7 @@ class WorkerClients:
 
     async def close(self) -> None:
         channels, self._channels = self._channels, {}
+        self._stubs = {}
         for channel in channels.values():
             await channel.close()
 

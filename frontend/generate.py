@@ -217,6 +217,8 @@ class Generation:
             processed=self.held.prefill_address is not None or self.num_generated_tokens > 0,
             finished=self.finish_reason is not None,
         )
+        if self._group is None and not self.held.holds_anything:
+            return  # nothing to abort (a finished request): no shielded scope to set up
         with anyio.CancelScope(shield=True):
             await self.held.release()
             if self._group is not None:  # the last sample out releases the group's prefill

@@ -108,8 +108,21 @@ class Holdings:
         with anyio.CancelScope(shield=True):
             await self.quietly(self._clients.release_state(store_address, key))
 
+    @property
+    def holds_anything(self) -> bool:
+        """Whether `release` has anything to abort or wait for."""
+        prefill = self.prefill_in_flight and self.prefill_address is not None
+        return (
+            self._reserve_in_flight is not None
+            or prefill
+            or self.holds_reservation
+            or self.stream is not None
+        )
+
     async def release(self) -> None:
         """Abort whatever is still held on any worker."""
+        if not self.holds_anything:  # a finished request (most): no shielded scope to set up
+            return
         with anyio.CancelScope(shield=True):
             if self._reserve_in_flight is not None:  # cancelled mid-Reserve: its answer first
                 await asyncio.gather(self._reserve_in_flight, return_exceptions=True)

@@ -6,8 +6,10 @@ the workers' own timings in the Prefill response and the first decode delta.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from frontend.series import Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKEN_BUCKETS = (1, 8, 32, 128, 512, 2048, 8192, 32768, 131072)

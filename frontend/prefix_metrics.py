@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import contextlib
 
-from prometheus_client import Counter, Gauge
-
 from frontend.metrics import GatewayMetrics
+from frontend.series import Counter, Gauge
 from splitserve.v1 import prefill_pb2
 
 

@@ -10,20 +10,24 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import aclosing
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import anyio
 from fastapi import Request, Response
-from fastapi.responses import StreamingResponse
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from frontend.admission_queue import SlotAdmission
+from frontend.client_watch import ClientWatch
 from frontend.errors import GatewayError
 from frontend.generate import Generation
 from frontend.steps import Step
+
+T = TypeVar("T")
 
 
 class ResponseView(Protocol):
@@ -44,29 +48,39 @@ async def serve(
 ) -> Response:
     """Admit the request (it may wait for decode room: frontend.admission_queue), then run its
     generations; a stream once every first token is in, else the whole response. The admission
-    ticket is given back once every generation is released, however the response ends."""
+    ticket is given back once every generation is released, however the response ends. A client
+    that leaves while the request waits (for room, a prefill, a step) cuts the wait short
+    (`frontend.client_watch`); what its generations hold is released."""
     queue: SlotAdmission = raw.app.state.admission_queue
     timeout_s = min(g.deadline_s for g in gens) - time.monotonic()
+    watch = ClientWatch(raw.receive)
     try:
-        ticket = await _unless_disconnected(raw, queue.acquire(len(gens), timeout_s))
-    except BaseException as exc:  # refused (400/429/503): nothing was reserved anywhere
-        await _release_all(gens, error=not isinstance(exc, asyncio.CancelledError))
-        raise
-    if isinstance(ticket, Response):  # the client left while queued
-        await _release_all(gens)
-        return ticket
-    try:
-        response = await _run(raw, gens, stream, include_usage, view, ticket.release)
+        try:
+            ticket = await _unless_disconnected(watch, queue.acquire(len(gens), timeout_s))
+        except BaseException as exc:  # refused (400/429/503): nothing was reserved anywhere
+            await _release_all(gens, error=not isinstance(exc, asyncio.CancelledError))
+            raise
+        if isinstance(ticket, Response):  # the client left while queued
+            await _release_all(gens)
+            return ticket
+        try:
+            response = await _run(watch, gens, stream, include_usage, view, ticket.release)
+        except BaseException:
+            ticket.release()
+            raise
     except BaseException:
-        ticket.release()
+        watch.close()
         raise
     if not isinstance(response, _ReleasingStream):
+        watch.close()
         ticket.release()
+    if not isinstance(response, Response):  # a whole response, rendered as FastAPI renders a model
+        response = JSONResponse(jsonable_encoder(response))
     return response
 
 
 async def _run(
-    raw: Request,
+    watch: ClientWatch,
     gens: list[Generation],
     stream: bool,
     include_usage: bool,
@@ -74,9 +88,9 @@ async def _run(
     on_stream_end: Callable[[], None],
 ) -> Response:
     if not stream:
-        return await _unless_disconnected(raw, _collect(gens, view.whole))
+        return await _unless_disconnected(watch, _collect(gens, view.whole))
     try:
-        firsts = await _unless_disconnected(raw, _start_all(gens))
+        firsts = await _unless_disconnected(watch, _start_all(gens))
     except BaseException as exc:
         await _release_all(gens, error=not isinstance(exc, asyncio.CancelledError))
         raise
@@ -84,27 +98,38 @@ async def _run(
         await _release_all(gens)
         return firsts
 
-    async def events() -> AsyncGenerator[str, None]:
-        try:
-            async with aclosing(_merged_steps(gens, firsts)) as steps:
-                async for index, step in steps:
-                    for data in view.chunk(index, step):
-                        yield f"data: {data}\n\n"
-            if include_usage:
-                yield f"data: {view.usage_chunk()}\n\n"
-        except GatewayError as exc:
-            await _release_all(gens, error=True)
-            yield f"data: {json.dumps(exc.body())}\n\n"
-        yield "data: [DONE]\n\n"
+    if all(step.finish_reason is not None for step in firsts):  # nothing more to wait for
+        events = [
+            f"data: {data}\n\n" for index, step in enumerate(firsts) for data in view.chunk(index, step)
+        ]
+        if include_usage:
+            events.append(f"data: {view.usage_chunk()}\n\n")
+        events.append("data: [DONE]\n\n")
+        body: AsyncIterator[str] | str = "".join(events)
+    else:
 
-    body = events()
+        async def more_events() -> AsyncGenerator[str, None]:
+            try:
+                async with aclosing(_merged_steps(gens, firsts)) as steps:
+                    async for index, step in steps:
+                        for data in view.chunk(index, step):
+                            yield f"data: {data}\n\n"
+                if include_usage:
+                    yield f"data: {view.usage_chunk()}\n\n"
+            except GatewayError as exc:
+                await _release_all(gens, error=True)
+                yield f"data: {json.dumps(exc.body())}\n\n"
+            yield "data: [DONE]\n\n"
+
+        body = more_events()
 
     async def on_close() -> None:
-        await body.aclose()
+        if not isinstance(body, str):
+            await body.aclose()  # type: ignore[attr-defined]
         await _release_all(gens)
         on_stream_end()
 
-    return _ReleasingStream(body, on_close, media_type="text/event-stream")
+    return _ReleasingStream(body, watch, on_close)
 
 
 async def _collect(gens: list[Generation], whole: Callable[[list[list[Step]]], Any]) -> Any:
@@ -176,38 +201,49 @@ async def _release_all(gens: list[Generation], error: bool = False) -> None:
             await gen.release(error=error)
 
 
-async def _unless_disconnected(raw: Request, work: Awaitable[Any]) -> Any:
-    """Await `work`, cancelling it if the client disconnects first (then a 499, never sent)."""
-    task = asyncio.ensure_future(work)
-
-    async def watch() -> None:
-        while (await raw.receive())["type"] != "http.disconnect":
-            pass
-        task.cancel()
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        return await task
-    except asyncio.CancelledError:
-        if watcher.done() and not watcher.cancelled():
-            return Response(status_code=499)
-        raise
-    finally:
-        watcher.cancel()
+async def _unless_disconnected(watch: ClientWatch, work: Coroutine[Any, Any, T]) -> T | Response:
+    """Await `work`, cut short if the client disconnects first (then a 499, never sent)."""
+    if watch.gone:
+        work.close()
+        return Response(status_code=499)
+    with watch.guard():
+        return await work
+    return Response(status_code=499)  # the guard ended the work: the client left
 
 
-class _ReleasingStream(StreamingResponse):
-    """A stream that runs `on_close` however it ends: finished, failed or client gone."""
+class _ReleasingStream(Response):
+    """A server-sent event stream that runs `on_close` however it ends: finished, failed or client
+    gone. `body` is the whole stream when every event is known at once, else its events as they
+    come, read while `watch` stands guard: a client that leaves ends the stream at its next wait."""
+
+    media_type = "text/event-stream"
 
     def __init__(
-        self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]], **kwargs: Any
+        self, body: AsyncIterator[str] | str, watch: ClientWatch, on_close: Callable[[], Awaitable[None]]
     ) -> None:
-        super().__init__(content, **kwargs)
+        self.status_code = 200
+        self.background = None
+        self.init_headers(None)
+        self._body = body
+        self._watch = watch
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await send(
+                {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+            )
+            body = self._body
+            if isinstance(body, str):
+                await send({"type": "http.response.body", "body": body.encode(), "more_body": False})
+                return
+            if self._watch.gone:
+                return
+            with self._watch.guard():
+                async for chunk in body:
+                    await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
+            self._watch.close()
             with anyio.CancelScope(shield=True):
                 await self._on_close()
