@@ -71,6 +71,12 @@ class StateStoreActor:
             self._server = None
         self._store.close()
 
+    def __ray_shutdown__(self) -> None:
+        """Ray ends an actor whose handles are all dropped gracefully, without `shutdown`: free
+        everything then too, or the disk tier's files and the arena's /dev/shm regions (RAM)
+        outlive the process until another store starts on the node."""
+        self.shutdown()
+
 
 def get_or_create_store_actor(
     config: StoreConfig | None = None,

@@ -1,7 +1,9 @@
-"""One StateStoreActor per node: get-or-create by name, its gRPC address works, shutdown frees all."""
+"""One StateStoreActor per node: get-or-create by name, its gRPC address works, shutdown frees all,
+and so does Ray ending the actor gracefully (its handles dropped) without a shutdown."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,6 +50,22 @@ def test_the_node_store_is_created_once_and_serves_grpc(
     assert not any(disk.iterdir())  # shutdown deleted the disk tier's files
     with StateStoreClient(address, timeout_s=5.0) as client, pytest.raises(StateUnavailableError):
         client.stats()  # and stopped serving
+
+
+def test_a_store_actor_ray_ends_gracefully_frees_its_disk_files(
+    ray_cluster: None, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    disk = tmp_path_factory.mktemp("dropped-store-disk")
+    handle = ray.remote(StateStoreActor).options(num_cpus=0).remote(1 << 20, str(disk), 8 << 20, 5.0)
+    address = ray.get(handle.start.remote("127.0.0.1", 0))
+    with StateStoreClient(address) as client:
+        client.put([make_chunk("req", layer, size=300_000) for layer in range(6)], owner="w", seal=True)
+    assert any(disk.iterdir())  # spilled past 1 MiB of memory
+    del handle  # no shutdown call: Ray ends the actor once its last handle is gone
+    deadline = time.monotonic() + 60
+    while any(disk.iterdir()):
+        assert time.monotonic() < deadline, f"the ended store left {sorted(p.name for p in disk.iterdir())}"
+        time.sleep(0.1)
 
 
 def test_the_actor_class_runs_in_process_too(tmp_path_factory: pytest.TempPathFactory) -> None:
