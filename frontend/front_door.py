@@ -19,7 +19,7 @@ from __future__ import annotations
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from frontend.admission import DRAINING, GENERATION_ROUTES, Admission
-from frontend.body_limit import BodyLimit, content_length
+from frontend.body_limit import BodyLimit, ReadBody, content_length
 from frontend.direct_routes import DirectRoutes
 from frontend.metrics import GatewayMetrics
 
@@ -74,28 +74,22 @@ class FrontDoor:
 
     async def _bounded(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The request on to FastAPI, its body held to the limit."""
-        limit, declared = self.body_limit, content_length(scope)
-        if declared is not None and declared > limit.max_request_bytes:
-            await limit.refuse(scope, receive, send, f"declares {declared} bytes")
-        elif declared is not None:
+        if not await self._within_declared_limit(scope, receive, send):
+            return
+        if content_length(scope) is not None:
             await self.app(scope, receive, send)  # the server delivers no more than declared
-        else:
-            read = await limit.read(receive)
-            if read is None:
-                await limit.refuse(scope, receive, send)
-            else:
-                await self.app(scope, read.replay(receive), send)
+            return
+        read = await self._read(scope, receive, send)
+        if read is not None:
+            await self.app(scope, read.replay(receive), send)
 
     async def _generation(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A generation request: its body read whole (within the limit), then served directly
         when it can be, else by FastAPI from the body read here."""
-        limit, declared = self.body_limit, content_length(scope)
-        if declared is not None and declared > limit.max_request_bytes:
-            await limit.refuse(scope, receive, send, f"declares {declared} bytes")
+        if not await self._within_declared_limit(scope, receive, send):
             return
-        read = await limit.read(receive)
+        read = await self._read(scope, receive, send)
         if read is None:
-            await limit.refuse(scope, receive, send)
             return
         if (
             read.complete
@@ -104,3 +98,18 @@ class FrontDoor:
         ):
             return
         await self.app(scope, read.replay(receive), send)
+
+    async def _within_declared_limit(self, scope: Scope, receive: Receive, send: Send) -> bool:
+        """False after the 413 for a body that declares more than the limit (nothing read)."""
+        declared = content_length(scope)
+        if declared is not None and declared > self.body_limit.max_request_bytes:
+            await self.body_limit.refuse(scope, receive, send, f"declares {declared} bytes")
+            return False
+        return True
+
+    async def _read(self, scope: Scope, receive: Receive, send: Send) -> ReadBody | None:
+        """The body read whole within the limit; None after the 413 for one that passes it."""
+        read = await self.body_limit.read(receive)
+        if read is None:
+            await self.body_limit.refuse(scope, receive, send)
+        return read

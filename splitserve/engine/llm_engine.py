@@ -138,9 +138,8 @@ class LLMEngine:
         # None: plain KDA decode; a tensor-parallel rank's KDA pieces name its heads, rank 0 alone gives MLA rows
         heads = rank_heads(mc.linear_num_heads, tp.rank, tp.size) if tp.size > 1 else None
         self.replay = replay_publisher(self.caches, config, self.device, heads, with_mla=tp.rank == 0)
-        self.follower_replays: list[
-            list[ReplayLayerPiece]
-        ] = []  # a rank > 0's shares of this step's publishes
+        # a rank > 0's KDA pieces of this step's publishes, for its process to send rank 0
+        self.follower_replays: list[list[ReplayLayerPiece]] = []
         self.swapper = make_swapper(config, self.caches)  # None: preemption by recompute only
         self.scheduler = Scheduler(
             SchedulerConfig(

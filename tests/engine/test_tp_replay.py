@@ -19,6 +19,7 @@ from splitserve.engine.replay_resume import resume_states
 from splitserve.engine.state_transfer import LayerState
 from splitserve.engine_config import EngineConfig
 from splitserve.state import HeadRange, StateKind
+from tests.engine.test_replay_resume import _run
 
 PROMPT = [3 + (i * 11) % 500 for i in range(45)]
 WINDOW = 4
@@ -36,14 +37,6 @@ def engines(tiny_model_path):
     }
     yield built
     built[2].shutdown()
-
-
-def _run(engine: LLMEngine) -> list[int]:
-    tokens: list[int] = []
-    while engine.has_unfinished_requests:
-        for update in engine.step():
-            tokens += update.new_token_ids
-    return tokens
 
 
 @pytest.fixture(scope="module")
